@@ -1,0 +1,3 @@
+"""DDTree speculative decoding engine."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,293 @@
+"""DFlash block-diffusion drafter, compatible with the z-lab `DFlashDraftModel` checkpoint layout.
+
+One forward maps the block [bonus, MASK, ..., MASK] plus fused target hidden states of the committed
+context to block_size - 1 independent next-token distributions. Context features go through
+`fc` + `hidden_norm` once and are injected as extra keys/values in every layer (cached per layer);
+block queries attend to the whole context and bidirectionally inside the block. The drafter has no
+embedding or LM head of its own: it uses the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .model import MLP, KVCache, ModelConfig, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class DrafterMismatchError(ValueError):
+    """The drafter does not fit the target (vocabulary, hidden size, tapped layers)."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spread taps, as in the published DFlash configs ([1, 9, 17, 25, 33] for 36 and 5)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    block_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+
+    @classmethod
+    def for_target(
+        cls,
+        target: ModelConfig,
+        num_layers: int = 1,
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        intermediate_size: int | None = None,
+    ) -> "DrafterConfig":
+        return cls(
+            vocab_size=target.vocab_size,
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            block_size=block_size,
+            num_target_layers=target.num_hidden_layers,
+            # the last vocabulary row: an embedding the drafter learns to read as "unknown yet"
+            mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            target_layer_ids=target_layer_ids or default_target_layer_ids(target.num_hidden_layers, num_layers),
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+        )
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DrafterConfig":
+        arch = cfg.get("architectures") or ["DFlashDraftModel"]
+        if arch[0] != "DFlashDraftModel":
+            raise DrafterMismatchError(f"unsupported drafter architecture {arch[0]} (expected DFlashDraftModel)")
+        if "sliding_attention" in (cfg.get("layer_types") or []):
+            raise DrafterMismatchError("drafters with sliding-window layers are not supported yet")
+        dflash = cfg.get("dflash_config") or {}
+        heads = cfg["num_attention_heads"]
+        layer_ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(cfg["num_target_layers"], cfg["num_hidden_layers"])
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling")
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("default", None):
+            scaling = None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            block_size=int(cfg.get("block_size", dflash.get("block_size", 16))),
+            num_target_layers=cfg["num_target_layers"],
+            mask_token_id=int(dflash.get("mask_token_id", cfg.get("mask_token_id"))),
+            target_layer_ids=list(layer_ids),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            attention_bias=cfg.get("attention_bias", False),
+        )
+
+    def to_hf(self) -> dict:
+        """The published z-lab layout: a Qwen3 config plus the DFlash keys."""
+        cfg = asdict(self)
+        for key in ("block_size", "mask_token_id", "target_layer_ids"):
+            cfg.pop(key)
+        cfg.update(
+            architectures=["DFlashDraftModel"],
+            auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+            model_type="qwen3",
+            hidden_act="silu",
+            tie_word_embeddings=False,
+            block_size=self.block_size,
+            dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+        )
+        return cfg
+
+    def check_target(self, target: ModelConfig) -> None:
+        problems = []
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocabulary {self.vocab_size} != target's {target.vocab_size}")
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {self.hidden_size} != target's {target.hidden_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside the target's {target.num_hidden_layers} layers")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary")
+        if self.block_size < 2:
+            problems.append(f"block_size {self.block_size} < 2")
+        if problems:
+            raise DrafterMismatchError("drafter does not fit the target: " + "; ".join(problems))
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.kv_cache: KVCache | None = None
+
+    def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        bs, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(bs, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(bs, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, ctx: Tensor | None, rope_blk, rope_ctx, blk_slots, ctx_slots, mask) -> Tensor:
+        bs, T, _ = x.shape
+        if ctx is not None:  # append the new context keys/values first; the block may reuse trash slots
+            self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx))
+        k_all, v_all = self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
+        q = self.q_norm(self.q_proj(x).view(bs, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, *rope_blk)
+        span = mask.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=mask, enable_gqa=self.n_heads != self.n_kv
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
+        )
+        self.max_batch = self.max_slots = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def setup_caches(self, max_batch: int, max_slots: int) -> None:
+        p = self.fc.weight
+        # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(p.device)
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(
+                max_batch, self.config.num_key_value_heads, max_slots, self.config.head_dim, p.dtype, p.device
+            )
+        self.max_batch, self.max_slots = max_batch, max_slots
+
+    def forward(
+        self,
+        block_embeds: Tensor,
+        block_positions: Tensor,
+        block_slots: Tensor,
+        mask: Tensor,
+        ctx_features: Tensor | None = None,
+        ctx_positions: Tensor | None = None,
+        ctx_slots: Tensor | None = None,
+    ) -> Tensor:
+        """block_embeds [bs, BS, H]: target embeddings of [bonus, MASK...]; ctx_features
+        [bs, P, taps*H]: tapped target hidden states of newly committed tokens (cached here);
+        mask [bs, 1, BS, span] over drafter cache slots. Returns normed hidden states [bs, BS, H]."""
+        dtype = block_embeds.dtype
+        rope_blk = rope_cos_sin(self.inv_freq, block_positions, dtype)
+        ctx = rope_ctx = None
+        if ctx_features is not None:
+            ctx = self.hidden_norm(self.fc(ctx_features))
+            rope_ctx = rope_cos_sin(self.inv_freq, ctx_positions, dtype)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, mask)
+        return self.norm(x)
+
+
+def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
+    """Random weights (std 0.02 linears, unit norms) so everything runs before a drafter is trained."""
+    gen = torch.Generator().manual_seed(seed)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return drafter
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.config.to_hf()
+    cfg["torch_dtype"] = str(drafter.fc.weight.dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def load_drafter(folder: str | Path, target: ModelConfig | None = None, dtype=None, device="cpu") -> DFlashDrafter:
+    """Load a z-lab-format drafter folder; with `target`, refuse one that does not fit it."""
+    from .loading import load_config, load_state_dict
+
+    cfg = DrafterConfig.from_hf(load_config(folder))
+    if target is not None:
+        cfg.check_target(target)
+    state = load_state_dict(folder, dtype=dtype)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    missing, unexpected = drafter.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise DrafterMismatchError(
+            f"drafter checkpoint {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    drafter.inv_freq = torch.empty(0)  # set by setup_caches
+    return drafter.to(device=device, dtype=dtype or state["fc.weight"].dtype)

@@ -1,0 +1,304 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2/2.5, Qwen3) with a static KV cache.
+
+gpt-fast style: one dataclass config, explicit forwards that take token ids, RoPE positions,
+cache slots and a boolean attention mask. Cache slots and RoPE positions are separate inputs
+because tree nodes are stored in consecutive slots while siblings share a position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    model_type: str = "llama"
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
+        model_type = cfg.get("model_type", "llama")
+        supported = {"llama", "qwen2", "qwen3", "mistral"}
+        if model_type not in supported:
+            raise ValueError(
+                f"unsupported model_type '{model_type}' (supported: {', '.join(sorted(supported))})"
+            )
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or None
+        if rope.get("rope_type", "default") not in ("default", None):
+            scaling = dict(rope)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("default", None):
+            scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            model_type=model_type,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    """Inverse frequencies, with Llama-3 style long-context scaling when configured."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = torch.where(mid, scaled, inv_freq)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind is not None:
+        raise ValueError(f"unsupported rope scaling '{kind}' (supported: llama3, linear)")
+    return inv_freq.float()
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape [*positions.shape, head_dim] in the rotate-half layout."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [bs, heads, T, hd]; cos/sin: [bs, T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Static per-layer cache [max_batch, kv_heads, max_slots + 1, head_dim].
+
+    The extra last slot is a trash slot: padded tokens write there and no mask ever shows it.
+    """
+
+    def __init__(self, max_batch: int, kv_heads: int, max_slots: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (max_batch, kv_heads, max_slots + 1, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def trash_slot(self) -> int:
+        return self.k.shape[2] - 1
+
+    def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [bs, kv_heads, T, hd] at per-sequence slots [bs, T]."""
+        bs = slots.shape[0]
+        rows = torch.arange(bs, device=slots.device)[:, None]
+        # advanced indexing on dims 0 and 2 puts the index dims first: [bs, T, heads, hd]
+        self.k[rows, :, slots] = k.transpose(1, 2)
+        self.v[rows, :, slots] = v.transpose(1, 2)
+        return self.k[:bs], self.v[:bs]
+
+    def gather_rows(self, src: Tensor, dst: Tensor) -> None:
+        """Copy slots src [bs, n] to dst [bs, n] (compaction of an accepted tree path)."""
+        bs = src.shape[0]
+        rows = torch.arange(bs, device=src.device)[:, None]
+        k = self.k[rows, :, src]  # gather into a temporary first: dst and src overlap
+        v = self.v[rows, :, src]
+        self.k[rows, :, dst] = k
+        self.v[rows, :, dst] = v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        # Qwen2 has biases on q/k/v only; Llama/Qwen3 put attention_bias on o_proj too
+        o_bias = cfg.attention_bias and cfg.model_type != "qwen2"
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        bs, T, _ = x.shape
+        q = self.q_proj(x).view(bs, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(bs, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(bs, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        k_all, v_all = self.kv_cache.update(slots, k, v.transpose(1, 2))
+        span = mask.shape[-1]  # attend only over the first `span` slots
+        out = F.scaled_dot_product_attention(
+            q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=mask, enable_gqa=self.n_heads != self.n_kv
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Holds the HF `model.*` parameter names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
+        )
+        self.max_batch = self.max_slots = 0
+
+    def setup_caches(self, max_batch: int, max_slots: int) -> None:
+        p = self.lm_head.weight
+        # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(p.device)
+        for layer in self.model.layers:
+            layer.self_attn.kv_cache = KVCache(
+                max_batch, self.config.num_key_value_heads, max_slots, self.config.head_dim, p.dtype, p.device
+            )
+        self.max_batch, self.max_slots = max_batch, max_slots
+
+    @property
+    def trash_slot(self) -> int:
+        return self.max_slots
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        mask: Tensor,
+        tap_layers: tuple[int, ...] = (),
+        logits: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """tokens, positions, slots: [bs, T]; mask: [bs, 1, T, span] bool over cache slots.
+
+        Returns (logits [bs, T, V] or the final normed hidden states, taps [bs, T, len(taps)*H] or None),
+        where tap l is the output of decoder layer l (0-based).
+        """
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype)
+        x = self.model.embed_tokens(tokens)
+        taps = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, slots, mask)
+            if i in tap_layers:
+                taps[i] = x
+        h = self.model.norm(x)
+        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
+        return (self.lm_head(h) if logits else h), tapped
+
+    @classmethod
+    def from_pretrained(cls, folder, dtype: torch.dtype = torch.float32, device="cpu") -> "Transformer":
+        """Load an HF-layout folder (config.json + safetensors, sharded or not)."""
+        from .loading import load_config, load_state_dict
+
+        cfg = ModelConfig.from_hf(load_config(folder))
+        state = load_state_dict(folder, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        with torch.device("meta"):
+            model = cls(cfg)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.inv_freq = torch.empty(0)  # set by setup_caches
+        return model.to(device=device, dtype=dtype).eval()
+
+    def compact(self, src: Tensor, dst: Tensor) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.kv_cache.gather_rows(src, dst)

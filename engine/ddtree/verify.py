@@ -1,0 +1,87 @@
+"""Verification: the tree attention mask, the target's decision at every node, and the walk.
+
+The walk follows the target's own decoding rule: at T = 0 the argmax, at T > 0 one independent
+sample per node from the target's processed distribution. Each emitted token is then a fresh draw
+from p(. | accepted prefix), so speculative sampling is lossless without draft probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .tree import Tree
+
+
+def tree_mask(lengths: Tensor, visible: Tensor, span: int) -> Tensor:
+    """[bs, 1, N, span] bool: committed slots [0, L) for every node, tree slots L + j for j in visible[i]."""
+    bs, n, _ = visible.shape
+    cols = torch.arange(span, device=lengths.device)
+    mask = (cols < lengths[:, None]).view(bs, 1, 1, span).expand(bs, 1, n, span).clone()
+    tree_cols = (lengths[:, None] + torch.arange(n, device=lengths.device)).view(bs, 1, 1, n).expand(bs, 1, n, n)
+    mask.scatter_(3, tree_cols, visible[:, None])
+    return mask
+
+
+def processed_probs(logits: Tensor, temperature: Tensor, top_p: Tensor) -> Tensor:
+    """softmax(logits / T) restricted to the top-p nucleus; per-sequence T [bs] and top_p [bs]."""
+    scores = logits.float() / temperature.clamp(min=1e-6).view(-1, *([1] * (logits.dim() - 1)))
+    probs = torch.softmax(scores, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    top_p = top_p.view(-1, *([1] * (logits.dim() - 1)))
+    keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p  # always keeps the most probable token
+    sorted_probs = sorted_probs * keep
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def decide(
+    logits: Tensor, temperature: Tensor, top_p: Tensor, generator: torch.Generator | None, sampling: bool
+) -> Tensor:
+    """The target's token at every node [bs, N]: argmax where T == 0, else a sample.
+
+    `sampling` (known on the host) says whether any sequence has T > 0. Sampling uses the
+    exponential race (argmax of p / E with E ~ Exp(1)), which needs no host sync.
+    """
+    greedy = logits.argmax(-1)
+    if not sampling:
+        return greedy
+    probs = processed_probs(logits, temperature, top_p)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    sampled = (probs / race).argmax(-1)
+    return torch.where((temperature > 0)[:, None], sampled, greedy)
+
+
+@dataclass
+class Walk:
+    path: Tensor  # [bs, D + 1] node indices of the accepted path (root first), padded with the last node
+    accepted: Tensor  # [bs] nodes on the path, root included (the acceptance length of the round)
+    bonus: Tensor  # [bs] the target's token after the path
+    emitted: Tensor  # [bs, D + 1] tokens emitted this round: path tokens after the root, then the bonus
+
+
+def walk(tree: Tree, decisions: Tensor, max_depth: int) -> Walk:
+    """Follow the target's decisions down the tree (static loop of max_depth steps, no host sync)."""
+    bs, n = tree.tokens.shape
+    rows = torch.arange(bs, device=tree.tokens.device)
+    cur = torch.zeros(bs, dtype=torch.long, device=tree.tokens.device)
+    alive = torch.ones(bs, dtype=torch.bool, device=cur.device)
+    path = [cur]
+    for _ in range(max_depth):
+        want = decisions[rows, cur]
+        hit = (tree.parents == cur[:, None]) & (tree.tokens == want[:, None]) & tree.valid
+        found = hit.any(-1) & alive
+        cur = torch.where(found, hit.int().argmax(-1), cur)  # siblings are distinct: at most one hit
+        alive = found
+        path.append(cur)
+    path = torch.stack(path, dim=1)
+    accepted = 1 + (path[:, 1:] != path[:, :-1]).sum(-1)
+    bonus = decisions[rows, cur]
+    # emitted[j] = token of path[j + 1] for j < accepted - 1, then the bonus at j = accepted - 1
+    steps = torch.arange(max_depth + 1, device=cur.device)
+    path_tokens = torch.gather(tree.tokens, 1, path)
+    nxt = torch.cat([path_tokens[:, 1:], path_tokens[:, -1:]], dim=1)
+    emitted = torch.where(steps[None] == (accepted - 1)[:, None], bonus[:, None], nxt)
+    return Walk(path=path, accepted=accepted, bonus=bonus, emitted=emitted)

@@ -1,0 +1,52 @@
+"""Command line: clear one-line errors with exit code 2; init-drafter; generate --json."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "ddtree.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=600)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "--model", "/no/such/model", "--method", "ar", "--prompt", "hi"], "model not found"),
+    (["generate", "--model", "smollm2-135m-instruct", "--method", "beam", "--prompt", "hi"], "invalid choice: 'beam'"),
+    (["generate", "--model", "x", "--method", "ddtree", "--budget", "-3", "--drafter", "d", "--prompt", "hi"],
+     "--budget must be >= 0"),
+    (["generate", "--model", "x", "--method", "dflash", "--prompt", "hi"], "needs --drafter"),
+    (["generate", "--model", "x", "--prompt", "hi", "--max-new-tokens", "0", "--method", "ar"], "--max-new-tokens"),
+    (["generate", "--prompt", "hi"], "required: --model"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle):
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_json_and_drafter_round_trip(tmp_path, smollm2):
+    out = tmp_path / "drafter"
+    r = run_cli("init-drafter", "--target", "smollm2-135m-instruct", "--out", str(out), "--layers", "1", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [15]
+    results = {}
+    for method in ("ar", "ddtree"):
+        r = run_cli("generate", "--model", "smollm2-135m-instruct", "--drafter", str(out), "--method", method,
+                    "--budget", "16", "--max-new-tokens", "12", "--prompt", "The capital of France is", "--json")
+        assert r.returncode == 0, r.stderr
+        results[method] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert results["ddtree"]["token_ids"] == results["ar"]["token_ids"]
+    assert results["ddtree"]["text"] == results["ar"]["text"] and "Paris" in results["ar"]["text"]
+    assert results["ar"]["acceptance_length"] == 1.0
+    assert set(results["ddtree"]) >= {"text", "token_ids", "acceptance_length", "tokens_per_second", "steps"}
+    r = run_cli("generate", "--model", "smollm2-135m-instruct", "--method", "ar", "--chat", "--max-new-tokens", "10",
+                "--prompt", "What is 2+2? Answer briefly.")
+    assert r.returncode == 0 and "4" in r.stdout, r.stderr

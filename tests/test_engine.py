@@ -1,0 +1,165 @@
+"""The shared round: tree attention, walk, KV compaction, termination, and greedy losslessness."""
+
+import pytest
+import torch
+
+from ddtree.drafter import DrafterConfig, init_drafter
+from ddtree.engine import Engine, SamplingParams
+from ddtree.tree import build_ddtree
+from ddtree.verify import tree_mask, walk
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+def causal(n):
+    j = torch.arange(n)
+    return (j[:, None] >= j[None, :])[None, None]
+
+
+def test_tree_mask_and_depth_positions_equal_causal_paths(tiny_target):
+    """Every node's logits equal those of its ancestor path run as a plain causal sequence."""
+    m, vocab = tiny_target, tiny_target.config.vocab_size
+    prefix = torch.randint(0, vocab, (1, 9))
+    g = torch.Generator().manual_seed(0)
+    tree = build_ddtree(torch.tensor([4]), torch.randn(1, 5, vocab, generator=g), 24)
+    m.setup_caches(max_batch=1, max_slots=64)
+    L = prefix.shape[1]
+    j = torch.arange(L)
+    with torch.no_grad():
+        m(prefix, j[None], j[None], causal(L))
+        n = tree.size
+        logits, _ = m(tree.tokens, L + tree.depth, L + torch.arange(n)[None], tree_mask(torch.tensor([L]), tree.visible, L + n))
+        for i in range(n):
+            path, k = [], i
+            while k >= 0:
+                path.append(tree.tokens[0, k].item())
+                k = tree.parents[0, k].item()
+            seq = torch.cat([prefix, torch.tensor([path[::-1]])], dim=1)
+            m.setup_caches(max_batch=1, max_slots=64)
+            t = seq.shape[1]
+            ref, _ = m(seq, torch.arange(t)[None], torch.arange(t)[None], causal(t))
+            torch.testing.assert_close(logits[0, i], ref[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_walk_follows_target_decisions():
+    # root 0 -> {1: tok 5, 2: tok 6}; 1 -> {3: tok 7}; 3 -> {4: tok 8}
+    from ddtree.tree import Tree, ancestor_mask
+
+    parents = torch.tensor([[-1, 0, 0, 1, 3]])
+    tree = Tree(torch.tensor([[9, 5, 6, 7, 8]]), parents, torch.tensor([[0, 1, 1, 2, 3]]),
+                torch.ones(1, 5, dtype=torch.bool), ancestor_mask(parents))
+    w = walk(tree, torch.tensor([[5, 7, 0, 1, 0]]), max_depth=4)  # accept 5, 7, then target says 1
+    assert w.path[0].tolist() == [0, 1, 3, 3, 3]
+    assert w.accepted.tolist() == [3] and w.bonus.tolist() == [1]
+    assert w.emitted[0, :3].tolist() == [5, 7, 1]
+    w = walk(tree, torch.tensor([[2, 0, 0, 0, 0]]), max_depth=4)  # nothing accepted
+    assert w.accepted.tolist() == [1] and w.emitted[0, 0].item() == 2
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 0), ("ddtree", 1), ("ddtree", 4),
+                                           ("ddtree", 15), ("ddtree", 32), ("ddtree", 64)])
+def test_greedy_equals_ar_random_drafter(tiny_target, tiny_drafter, method, budget):
+    sp = SamplingParams(max_new_tokens=24)
+    ref = Engine(tiny_target, None, "ar", max_batch_size=3, max_seq_len=64).generate(PROMPTS, sp)
+    eng = Engine(tiny_target, tiny_drafter, method, budget, max_batch_size=3, max_seq_len=64)
+    assert [r.token_ids for r in eng.generate(PROMPTS, sp)] == [r.token_ids for r in ref]
+    assert [eng.generate([p], sp)[0].token_ids for p in PROMPTS] == [r.token_ids for r in ref]
+
+
+class OracleEngine(Engine):
+    """Draft rows that put the true continuation on top most of the time (second otherwise), so
+    rounds accept long paths: exercises compaction, context staging and termination inside a path."""
+
+    def __init__(self, *args, continuations, **kw):
+        super().__init__(*args, **kw)
+        self.continuations = continuations
+
+    def propose(self, st, max_len):
+        real = super().propose(st, max_len)  # keep the drafter cache path running
+        g = torch.Generator().manual_seed(int(st.lengths.sum()))
+        logits = torch.randn(real.shape, generator=g)
+        for i, full in enumerate(self.continuations):
+            L = int(st.lengths[i])
+            for d in range(real.shape[1]):
+                if L + 1 + d < len(full):
+                    logits[i, d, full[L + 1 + d]] += 6.0 if torch.rand((), generator=g) < 0.75 else 1.5
+        return logits
+
+
+def reference(tiny_target, n=40):
+    return Engine(tiny_target, None, "ar", max_batch_size=3, max_seq_len=96).generate(
+        PROMPTS, SamplingParams(max_new_tokens=n))
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 4), ("ddtree", 32)])
+def test_greedy_equals_ar_with_long_accepted_paths(tiny_target, tiny_drafter, method, budget):
+    ref = reference(tiny_target)
+    full = [p + r.token_ids for p, r in zip(PROMPTS, ref)]
+    eng = OracleEngine(tiny_target, tiny_drafter, method, budget, max_batch_size=3, max_seq_len=96, continuations=full)
+    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))
+    assert [r.token_ids for r in res] == [r.token_ids for r in ref]
+    assert min(r.acceptance_length for r in res) > 2.0, "the oracle must make rounds accept several tokens"
+
+
+def test_kv_compaction_over_many_rounds_equals_fresh_prefill(tiny_target, tiny_drafter):
+    ref = reference(tiny_target, n=60)
+    full = [p + r.token_ids for p, r in zip(PROMPTS, ref)]
+    eng = OracleEngine(tiny_target, tiny_drafter, "ddtree", 16, max_batch_size=3, max_seq_len=96, continuations=full)
+    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=60))
+    assert all(r.rounds >= 10 for r in res)
+    caches = [(l.self_attn.kv_cache.k.clone(), l.self_attn.kv_cache.v.clone()) for l in tiny_target.model.layers]
+    # committed text in the cache = prompt + all emitted tokens but the last (the pending bonus)
+    for i, (p, r) in enumerate(zip(PROMPTS, res)):
+        text = p + r.token_ids[:-1]
+        fresh = Engine(tiny_target, None, "ar", max_batch_size=1, max_seq_len=96)
+        fresh.prefill([text], [SamplingParams()])
+        for (k, v), layer in zip(caches, tiny_target.model.layers):
+            torch.testing.assert_close(k[i, :, : len(text)], layer.self_attn.kv_cache.k[0, :, : len(text)], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v[i, :, : len(text)], layer.self_attn.kv_cache.v[0, :, : len(text)], atol=1e-4, rtol=1e-4)
+
+
+def test_stop_token_and_max_new_tokens_inside_an_accepted_path(tiny_target, tiny_drafter):
+    ref = reference(tiny_target)
+    full = [p + r.token_ids for p, r in zip(PROMPTS, ref)]
+    stop = ref[0].token_ids[12]
+    first = ref[0].token_ids.index(stop)
+    eng = OracleEngine(tiny_target, tiny_drafter, "ddtree", 32, max_batch_size=3, max_seq_len=96, continuations=full)
+    res = eng.generate(PROMPTS, [SamplingParams(max_new_tokens=40, stop_token_ids=(stop,)),
+                                 SamplingParams(max_new_tokens=7), SamplingParams(max_new_tokens=40)])
+    assert res[0].token_ids == ref[0].token_ids[: first + 1] and res[0].finish_reason == "stop"
+    assert res[1].token_ids == ref[1].token_ids[:7] and res[1].finish_reason == "length"
+    assert res[2].token_ids == ref[2].token_ids, "a finished neighbour must not disturb the others"
+    assert max(res[1].accepted_per_round) > 1
+
+
+def test_ar_acceptance_is_one_and_budget_zero_is_ar(tiny_target, tiny_drafter):
+    sp = SamplingParams(max_new_tokens=10)
+    ar = Engine(tiny_target, None, "ar").generate([PROMPTS[0]], sp)[0]
+    assert ar.acceptance_length == 1.0 and ar.rounds == 9  # the first token comes from the prefill
+    zero = Engine(tiny_target, tiny_drafter, "ddtree", 0).generate([PROMPTS[0]], sp)[0]
+    assert zero.token_ids == ar.token_ids and zero.acceptance_length == 1.0
+
+
+def test_bad_requests_are_refused(tiny_target, tiny_drafter):
+    eng = Engine(tiny_target, tiny_drafter, "ddtree", 8, max_batch_size=2, max_seq_len=32)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        eng.generate([[1] * 30], SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="batch of 3"):
+        eng.generate([[1], [2], [3]])
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(tiny_target, None, "dflash")
+    with pytest.raises(ValueError, match="unknown method"):
+        Engine(tiny_target, None, "beam")
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        Engine(tiny_target, tiny_drafter, "ddtree", -1)
+
+
+def test_drafter_for_another_target_is_refused(tiny_target):
+    from ddtree.drafter import DrafterMismatchError
+    from ddtree.model import ModelConfig
+
+    other = ModelConfig(vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    drafter = init_drafter(DrafterConfig.for_target(other, block_size=8))
+    with pytest.raises(DrafterMismatchError, match="vocabulary 99 != target's 64"):
+        Engine(tiny_target, drafter, "ddtree", 8)
