@@ -74,12 +74,12 @@ class OracleEngine(Engine):
         super().__init__(*args, **kw)
         self.continuations = continuations
 
-    def propose(self, st, max_len):
-        real = super().propose(st, max_len)  # keep the drafter cache path running
-        g = torch.Generator().manual_seed(int(st.lengths.sum()))
+    def propose(self, n):
+        real = super().propose(n)  # keep the drafter cache path running
+        g = torch.Generator().manual_seed(sum(self.host_lengths))
         logits = torch.randn(real.shape, generator=g)
         for i, full in enumerate(self.continuations):
-            L = int(st.lengths[i])
+            L = self.host_lengths[i]
             for d in range(real.shape[1]):
                 if L + 1 + d < len(full):
                     logits[i, d, full[L + 1 + d]] += 6.0 if torch.rand((), generator=g) < 0.75 else 1.5
@@ -112,7 +112,7 @@ def test_kv_compaction_over_many_rounds_equals_fresh_prefill(tiny_target, tiny_d
     for i, (p, r) in enumerate(zip(PROMPTS, res)):
         text = p + r.token_ids[:-1]
         fresh = Engine(tiny_target, None, "ar", max_batch_size=1, max_seq_len=96)
-        fresh.prefill([text], [SamplingParams()])
+        fresh.add(0, text, SamplingParams(max_new_tokens=1))
         for (k, v), layer in zip(caches, tiny_target.model.layers):
             torch.testing.assert_close(k[i, :, : len(text)], layer.self_attn.kv_cache.k[0, :, : len(text)], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(v[i, :, : len(text)], layer.self_attn.kv_cache.v[0, :, : len(text)], atol=1e-4, rtol=1e-4)
@@ -163,3 +163,28 @@ def test_drafter_for_another_target_is_refused(tiny_target):
     drafter = init_drafter(DrafterConfig.for_target(other, block_size=8))
     with pytest.raises(DrafterMismatchError, match="vocabulary 99 != target's 64"):
         Engine(tiny_target, drafter, "ddtree", 8)
+
+
+@pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 8)])
+def test_requests_join_and_leave_between_rounds(tiny_target, tiny_drafter, method, budget):
+    """Continuous batching: a request that joins a running batch, into a slot another request left,
+    emits exactly what it emits alone."""
+    ref = reference(tiny_target, n=20)
+    drafter = tiny_drafter if method != "ar" else None
+    eng = Engine(tiny_target, drafter, method, budget, max_batch_size=2, max_seq_len=96)
+    sp = SamplingParams(max_new_tokens=20)
+    got = {0: [eng.add(0, PROMPTS[0], sp)]}
+    for _ in range(3):
+        got[0] += eng.step(1)[0]
+    got[1] = [eng.add(1, PROMPTS[1], sp)]
+    owner = 0  # which request slot 0 serves
+    while len(got[1]) < 20 or len(got[2] if owner == 2 else []) < 20:
+        toks = eng.step(2)
+        got[owner] += toks[0]
+        got[1] += toks[1]
+        if owner == 0 and len(got[0]) >= 20:
+            eng.release(0)  # slot 0 leaves; a new request takes it while slot 1 keeps running
+            owner, got[2] = 2, [eng.add(0, PROMPTS[2], sp)]
+    assert len(got[1]) > 20 + 5, "slot 1 must have kept running while slot 0 changed hands"
+    for i in range(3):
+        assert got[i][:20] == ref[i].token_ids, i

@@ -161,11 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .drafter import DrafterMismatchError
+    from .loading import ModelNotFoundError
 
-    try:
-        from .loading import ModelNotFoundError
-    except ImportError:  # pragma: no cover - loading is part of the package
-        ModelNotFoundError = FileNotFoundError
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

@@ -167,17 +167,18 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).view(bs, T, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
+    def append_context(self, ctx: Tensor, rope_ctx, ctx_slots: Tensor, rows: Tensor | None = None) -> None:
+        self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx), rows)
+
     def forward(self, x: Tensor, ctx: Tensor | None, rope_blk, rope_ctx, blk_slots, ctx_slots, mask) -> Tensor:
         bs, T, _ = x.shape
-        if ctx is not None:  # append the new context keys/values first; the block may reuse trash slots
-            self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx))
-        k_all, v_all = self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
+        if ctx is not None:  # append the new context keys/values first
+            self.append_context(ctx, rope_ctx, ctx_slots)
+        self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
         q = self.q_norm(self.q_proj(x).view(bs, T, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *rope_blk)
-        span = mask.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=mask, enable_gqa=self.n_heads != self.n_kv
-        )
+        k_all, v_all = self.kv_cache.read(bs, mask.shape[-1])
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
 
 
@@ -244,6 +245,14 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, mask)
         return self.norm(x)
+
+    def append_context(self, ctx_features: Tensor, positions: Tensor, slots: Tensor, rows: Tensor | None = None) -> None:
+        """Cache the context keys/values of committed tokens without running a block (the prompt:
+        context K/V depend only on the fused features, never on the block)."""
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        rope_ctx = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
+        for layer in self.layers:
+            layer.self_attn.append_context(ctx, rope_ctx, slots, rows)
 
 
 def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:

@@ -2,13 +2,15 @@
 and `ddtree` (verify the top-B prefix tree). They share every step; only the tree differs, and plain
 decoding is the root-only tree.
 
-A round, for a batch of sequences of different lengths:
-  draft   drafter appends the new context features, runs [bonus, MASK...] -> D draft rows
+The engine owns `max_batch_size` slots. A request joins a free slot with an eager prefill (`add`) and
+leaves it between rounds (`release`), so a scheduler can batch continuously. A round (`step`) runs
+on slots [0, n) and only reads and writes persistent per-slot buffers, in place:
+  draft   drafter appends the pending context features, runs [bonus, MASK...] -> D draft rows
   tree    root-only / chain / top-B tree, flattened to N = tree size nodes per sequence
   verify  one target forward over the N nodes: slots L..L+N-1, positions L + depth, ancestor mask
   walk    accept the longest path the target agrees with, plus its bonus token
   commit  compact the accepted KV rows to L..L+a-1, stage their tapped hidden states as drafter context
-Then one host read of the emitted tokens (EOS and max_new_tokens are applied there).
+The host then reads one small tensor (accepted counts and emitted tokens): one sync per round.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import Tensor
 from .drafter import DFlashDrafter
 from .model import Transformer
 from .tree import Tree, build_chain, build_ddtree, root_only
-from .verify import Walk, decide, tree_mask, walk
+from .verify import decide, tree_mask, walk
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -53,19 +55,6 @@ class GenerationResult:
     @property
     def tokens_per_second(self) -> float:
         return len(self.token_ids) / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
-
-
-@dataclass
-class BatchState:
-    lengths: Tensor  # [bs] committed tokens in the target cache (= the bonus token's position)
-    bonus: Tensor  # [bs] last emitted token, not yet in the cache: the root of the next tree
-    ctx_features: Tensor | None  # [bs, P, taps*H] tapped target states not yet in the drafter cache
-    ctx_count: Tensor  # [bs] valid rows of ctx_features (they end at position lengths - 1)
-    active: Tensor  # [bs] bool
-    temperature: Tensor  # [bs]
-    top_p: Tensor  # [bs]
-    sampling: bool  # some sequence samples (T > 0)
-    generator: torch.Generator | None
 
 
 class Engine:
@@ -104,152 +93,185 @@ class Engine:
         # room past the committed text for the tree (target) and the block (drafter)
         self.max_slots = max_seq_len + max(self.tree_size, block)
         target.setup_caches(max_batch_size, self.max_slots)
+        self.device = dev = target.lm_head.weight.device
         if self.drafter is not None:
             self.drafter.setup_caches(max_batch_size, self.max_slots)
-            self.mask_token_id = self.drafter.config.mask_token_id
-        self.device = target.lm_head.weight.device
+        self.mask_token_id = self.drafter.config.mask_token_id if self.drafter else 0
 
-    # ---- phases of a round -------------------------------------------------------------------
+        # persistent per-slot state, written in place
+        b = max_batch_size
+        self.lengths = torch.zeros(b, dtype=torch.long, device=dev)  # committed tokens (= bonus position)
+        self.bonus = torch.zeros(b, dtype=torch.long, device=dev)  # last emitted token, root of the next tree
+        self.active = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.temperature = torch.zeros(b, device=dev)
+        self.top_p = torch.ones(b, device=dev)
+        feat = len(self.tap_layers) * target.config.hidden_size
+        dtype = target.lm_head.weight.dtype
+        # tapped target states of the last accepted path, not yet in the drafter cache
+        self.ctx_features = torch.zeros(b, self.max_depth + 1, feat, dtype=dtype, device=dev)
+        self.ctx_count = torch.zeros(b, dtype=torch.long, device=dev)
+        # round output: [accepted, emitted tokens (max_depth + 1)]
+        self.readout = torch.zeros(b, self.max_depth + 2, dtype=torch.long, device=dev)
+        self.generator = torch.Generator(device=dev)
+        # host mirrors, so that the host never reads the device outside the per-round readout
+        self.host_lengths = [0] * b
+        self.host_sampling = [False] * b
+        self.host_active = [False] * b
 
-    def _span(self, max_len: int, width: int) -> int:
+    # ---- joining and leaving ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def add(self, slot: int, prompt: list[int], params: SamplingParams) -> int:
+        """Prefill `prompt` into `slot` (eager) and return its first token."""
+        self.check_request(prompt, params)
+        dev, n = self.device, len(prompt)
+        tokens = torch.tensor([prompt], device=dev)
+        j = torch.arange(n, device=dev)
+        rows = torch.tensor([slot], device=dev)
+        causal = (j[:, None] >= j[None, :]).view(1, 1, n, n)
+        hidden, taps = self.target(tokens, j[None], j[None], causal, self.tap_layers, logits=False, rows=rows)
+        if self.drafter is not None:
+            self.drafter.append_context(taps, j[None], j[None], rows=rows)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        self.lengths[slot] = n
+        self.ctx_count[slot] = 0
+        self.active[slot] = True
+        self.temperature[slot] = params.temperature
+        self.top_p[slot] = params.top_p
+        self.host_lengths[slot] = n
+        self.host_sampling[slot] = params.temperature > 0
+        self.host_active[slot] = True
+        logits = self.target.lm_head(hidden[:, -1:])
+        first = decide(logits, self.temperature[slot : slot + 1], self.top_p[slot : slot + 1], self.generator,
+                       self.host_sampling[slot])[0, 0]
+        self.bonus[slot] = first
+        return int(first)
+
+    def release(self, slot: int) -> None:
+        self.active[slot] = False
+        self.host_sampling[slot] = False
+        self.host_active[slot] = False
+
+    # ---- one round --------------------------------------------------------------------------
+
+    def _span(self, n: int, width: int) -> int:
         """Attention span over cache slots, rounded up so that few distinct shapes occur."""
+        max_len = max(self.host_lengths[:n])
         return min(self.max_slots, -(-(max_len + width) // 128) * 128)
 
-    def propose(self, st: BatchState, max_len: int) -> Tensor:
-        """Drafter forward: [bs, D, V] draft logits for the D positions after the bonus token."""
-        bs, block, dev = st.lengths.shape[0], self.block_size, self.device
-        steps = torch.arange(block, device=dev)
-        block_tokens = torch.full((bs, block), self.mask_token_id, dtype=torch.long, device=dev)
-        block_tokens[:, 0] = st.bonus
-        block_pos = st.lengths[:, None] + steps
-        p = st.ctx_features.shape[1]
-        j = torch.arange(p, device=dev)
-        ctx_pos = st.lengths[:, None] - st.ctx_count[:, None] + j
-        # padding and finished sequences write to the trash slot
-        live = (j < st.ctx_count[:, None]) & st.active[:, None]
+    def propose(self, n: int) -> Tensor:
+        """Drafter forward on slots [0, n): [n, D, V] draft logits for the D positions after the bonus."""
+        dev, block = self.device, self.block_size
+        lengths, count = self.lengths[:n], self.ctx_count[:n]
+        block_tokens = torch.full((n, block), self.mask_token_id, dtype=torch.long, device=dev)
+        block_tokens[:, 0] = self.bonus[:n]
+        block_pos = lengths[:, None] + torch.arange(block, device=dev)
+        j = torch.arange(self.ctx_features.shape[1], device=dev)
+        ctx_pos = lengths[:, None] - count[:, None] + j
+        # padding rows and idle slots write to the trash slot
+        live = (j < count[:, None]) & self.active[:n, None]
         ctx_slots = torch.where(live, ctx_pos, self.drafter.max_slots)
-        span = self._span(max_len, block)
-        mask = (torch.arange(span, device=dev) < (st.lengths[:, None] + block)).view(bs, 1, 1, span)
-        mask = mask.expand(bs, 1, block, span)
+        span = self._span(n, block)
+        mask = (torch.arange(span, device=dev) < (lengths[:, None] + block)).view(n, 1, 1, span)
         hidden = self.drafter(
-            self.target.embed(block_tokens), block_pos, block_pos, mask,
-            st.ctx_features, ctx_pos.clamp(min=0), ctx_slots,
+            self.target.embed(block_tokens), block_pos, block_pos, mask.expand(n, 1, block, span),
+            self.ctx_features[:n], ctx_pos.clamp(min=0), ctx_slots,
         )
-        st.ctx_features = None  # now in the drafter cache
         return self.target.lm_head(hidden[:, 1 : 1 + self.max_depth])
 
-    def build_tree(self, st: BatchState, max_len: int) -> Tree:
+    def build_tree(self, n: int) -> Tree:
         if self.drafter is None:
-            return root_only(st.bonus)
-        draft_logits = self.propose(st, max_len)
+            return root_only(self.bonus[:n])
+        draft_logits = self.propose(n)
         if self.method == "dflash":
-            return build_chain(st.bonus, draft_logits)
-        return build_ddtree(st.bonus, draft_logits, self.budget)
+            return build_chain(self.bonus[:n], draft_logits)
+        return build_ddtree(self.bonus[:n], draft_logits, self.budget)
 
-    def verify(self, st: BatchState, tree: Tree, max_len: int) -> tuple[Walk, Tensor | None]:
-        n = tree.size
-        slots = st.lengths[:, None] + torch.arange(n, device=self.device)
-        mask = tree_mask(st.lengths, tree.visible, self._span(max_len, n))
-        logits, taps = self.target(tree.tokens, st.lengths[:, None] + tree.depth, slots, mask, self.tap_layers)
-        decisions = decide(logits, st.temperature, st.top_p, st.generator, st.sampling)
-        return walk(tree, decisions, self.max_depth), taps
-
-    def commit(self, st: BatchState, w: Walk, taps: Tensor | None) -> None:
+    def round(self, n: int) -> None:
+        """One draft-tree-verify-walk-commit round on slots [0, n); results land in self.readout[:n]."""
+        dev = self.device
+        lengths, active = self.lengths[:n], self.active[:n]
+        tree = self.build_tree(n)
+        slots = lengths[:, None] + torch.arange(tree.size, device=dev)
+        mask = tree_mask(lengths, tree.visible, self._span(n, tree.size))
+        logits, taps = self.target(tree.tokens, lengths[:, None] + tree.depth, slots, mask, self.tap_layers)
+        decisions = decide(logits, self.temperature[:n], self.top_p[:n], self.generator, any(self.host_sampling[:n]))
+        w = walk(tree, decisions, self.max_depth)
         if self.max_depth > 0:
-            src = st.lengths[:, None] + w.path
-            dst = st.lengths[:, None] + torch.arange(self.max_depth + 1, device=self.device)
-            self.target.compact(src, dst)
+            steps = torch.arange(self.max_depth + 1, device=dev)
+            self.target.compact(lengths[:, None] + w.path, lengths[:, None] + steps)
         if taps is not None:
-            st.ctx_features = torch.gather(taps, 1, w.path[..., None].expand(-1, -1, taps.shape[-1]))
-            st.ctx_count = w.accepted
-        st.lengths = torch.where(st.active, st.lengths + w.accepted, st.lengths)
-        st.bonus = w.bonus
+            self.ctx_features[:n].copy_(torch.gather(taps, 1, w.path[..., None].expand(-1, -1, taps.shape[-1])))
+            self.ctx_count[:n].copy_(w.accepted)
+        lengths.copy_(torch.where(active, lengths + w.accepted, lengths))
+        self.bonus[:n].copy_(w.bonus)
+        self.readout[:n, 0].copy_(w.accepted)
+        self.readout[:n, 1:].copy_(w.emitted)
 
-    # ---- prefill and the generation loop ----------------------------------------------------
+    @torch.inference_mode()
+    def step(self, n: int) -> list[list[int]]:
+        """Run one round on slots [0, n) and return, per slot, the tokens it emitted (idle slots: [])."""
+        self.round(n)
+        rows = self.readout[:n].tolist()  # the one host sync of the round
+        out = []
+        for slot, row in enumerate(rows):
+            if not self.host_active[slot]:
+                out.append([])
+                continue
+            self.host_lengths[slot] += row[0]
+            out.append(row[1 : 1 + row[0]])
+        return out
 
-    def prefill(self, prompts: list[list[int]], params: list[SamplingParams]) -> BatchState:
-        bs, dev = len(prompts), self.device
-        n = max(len(p) for p in prompts)
-        tokens = torch.zeros(bs, n, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
-        tokens = tokens.to(dev)
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        j = torch.arange(n, device=dev)
-        valid = j[None] < lengths[:, None]
-        slots = torch.where(valid, j, self.target.trash_slot)
-        mask = (j[None, :, None] >= j[None, None, :]) & valid[:, None, :]  # causal, real keys only
-        hidden, taps = self.target(tokens, j.expand(bs, n), slots, mask[:, None], self.tap_layers, logits=False)
-        rows = torch.arange(bs, device=dev)
-        last_logits = self.target.lm_head(hidden[rows, lengths - 1])[:, None]
-        seeds = [p.seed for p in params if p.seed is not None]
-        temps = torch.tensor([p.temperature for p in params], device=dev)
-        sampling = any(p.temperature > 0 for p in params)
-        gen = None
-        if sampling:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(seeds[0] if seeds else int(torch.randint(0, 2**62, ()).item()))
-        st = BatchState(
-            lengths=lengths,
-            bonus=torch.zeros(bs, dtype=torch.long, device=dev),
-            ctx_features=taps,
-            ctx_count=lengths.clone(),
-            active=torch.ones(bs, dtype=torch.bool, device=dev),
-            temperature=temps,
-            top_p=torch.tensor([p.top_p for p in params], device=dev),
-            sampling=sampling,
-            generator=gen,
-        )
-        st.bonus = decide(last_logits, st.temperature, st.top_p, gen, sampling)[:, 0]
-        return st
+    # ---- offline batch generation -----------------------------------------------------------
 
     @torch.inference_mode()
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[GenerationResult]:
+        """Generate for up to max_batch_size prompts at once (slots 0..len-1)."""
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        self._check_request(prompts, params)
+        if not prompts or len(prompts) > self.max_batch_size:
+            raise ValueError(f"batch of {len(prompts)} prompts; this engine takes 1 to {self.max_batch_size}")
+        for p, sp in zip(prompts, params):
+            self.check_request(p, sp)
+        n = len(prompts)
+        for slot in range(self.max_batch_size):
+            self.release(slot)
         start = time.perf_counter()
-        st = self.prefill(prompts, params)
-        host_len = [len(p) for p in prompts]
         out: list[list[int]] = [[] for _ in prompts]
         accepted: list[list[int]] = [[] for _ in prompts]
-        finish = [""] * len(prompts)
-        done_at = [0.0] * len(prompts)
+        finish = [""] * n
+        done_at = [0.0] * n
 
         def take(i: int, toks: list[int]) -> None:
             """Append emitted tokens, cut at the first stop token or at max_new_tokens."""
             room = params[i].max_new_tokens - len(out[i])
-            for k, t in enumerate(toks[:room]):
+            toks = toks[:room]
+            for k, t in enumerate(toks):
                 if t in params[i].stop_token_ids:
                     toks, finish[i] = toks[: k + 1], "stop"
                     break
-            toks = toks[:room]
             out[i].extend(toks)
             if not finish[i] and len(out[i]) >= params[i].max_new_tokens:
                 finish[i] = "length"
             if finish[i]:
                 done_at[i] = time.perf_counter()
+                self.release(i)
 
-        for i, b in enumerate(st.bonus.tolist()):
-            take(i, [b])
+        if params[0].seed is not None:
+            self.generator.manual_seed(params[0].seed)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            first = self.add(i, p, SamplingParams(**{**sp.__dict__, "seed": None}))
+            take(i, [first])
         while not all(finish):
-            active = [not f for f in finish]
-            st.active = torch.tensor(active, device=self.device)
-            max_len = max(host_len)  # finished sequences keep their length and still need in-bounds masks
-            tree = self.build_tree(st, max_len)
-            w, taps = self.verify(st, tree, max_len)
-            self.commit(st, w, taps)
-            readout = torch.cat([w.accepted[:, None], w.emitted], dim=1).tolist()  # the one host sync
-            for i, row in enumerate(readout):
-                if not active[i]:
-                    continue
-                before = len(out[i])
-                take(i, row[1 : 1 + row[0]])
-                accepted[i].append(len(out[i]) - before)
-                host_len[i] += row[0]
+            for i, toks in enumerate(self.step(n)):
+                if toks and not finish[i]:
+                    before = len(out[i])
+                    take(i, toks)
+                    accepted[i].append(len(out[i]) - before)
         return [
             GenerationResult(
                 token_ids=out[i],
@@ -259,21 +281,21 @@ class Engine:
                 elapsed_seconds=done_at[i] - start,
                 accepted_per_round=accepted[i],
             )
-            for i in range(len(prompts))
+            for i in range(n)
         ]
 
-    def _check_request(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
-        if not prompts or len(prompts) > self.max_batch_size:
-            raise ValueError(f"batch of {len(prompts)} prompts; this engine takes 1 to {self.max_batch_size}")
-        for p, sp in zip(prompts, params):
-            if not p:
-                raise ValueError("empty prompt")
-            if sp.max_new_tokens < 1:
-                raise ValueError(f"max_new_tokens must be >= 1, got {sp.max_new_tokens}")
-            if len(p) + sp.max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt ({len(p)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context "
-                    f"of {self.max_seq_len} tokens"
-                )
-            if sp.temperature < 0 or not 0 < sp.top_p <= 1:
-                raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("empty prompt")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "
+                f"of {self.max_seq_len} tokens"
+            )
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        bad = [t for t in prompt if not 0 <= t < self.target.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary of {self.target.config.vocab_size}")

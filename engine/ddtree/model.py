@@ -137,14 +137,20 @@ class KVCache(nn.Module):
     def trash_slot(self) -> int:
         return self.k.shape[2] - 1
 
-    def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v [bs, kv_heads, T, hd] at per-sequence slots [bs, T]."""
+    def update(self, slots: Tensor, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
+        """Write k, v [bs, kv_heads, T, hd] at per-sequence slots [bs, T] of cache rows `rows`
+        (default 0..bs-1, the decode batch)."""
         bs = slots.shape[0]
-        rows = torch.arange(bs, device=slots.device)[:, None]
+        index = torch.arange(bs, device=slots.device) if rows is None else rows
         # advanced indexing on dims 0 and 2 puts the index dims first: [bs, T, heads, hd]
-        self.k[rows, :, slots] = k.transpose(1, 2)
-        self.v[rows, :, slots] = v.transpose(1, 2)
-        return self.k[:bs], self.v[:bs]
+        self.k[index[:, None], :, slots] = k.transpose(1, 2)
+        self.v[index[:, None], :, slots] = v.transpose(1, 2)
+
+    def read(self, bs: int, span: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys/values of the first `span` slots: a view for rows 0..bs-1, a gathered copy otherwise."""
+        if rows is None:
+            return self.k[:bs, :, :span], self.v[:bs, :, :span]
+        return self.k[rows, :, :span], self.v[rows, :, :span]
 
     def gather_rows(self, src: Tensor, dst: Tensor) -> None:
         """Copy slots src [bs, n] to dst [bs, n] (compaction of an accepted tree path)."""
@@ -173,7 +179,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, rows: Tensor | None) -> Tensor:
         bs, T, _ = x.shape
         q = self.q_proj(x).view(bs, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(bs, T, self.n_kv, self.head_dim)
@@ -182,11 +188,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        k_all, v_all = self.kv_cache.update(slots, k, v.transpose(1, 2))
-        span = mask.shape[-1]  # attend only over the first `span` slots
-        out = F.scaled_dot_product_attention(
-            q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=mask, enable_gqa=self.n_heads != self.n_kv
-        )
+        self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
+        k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
 
 
@@ -209,8 +213,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, rows: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -262,8 +266,10 @@ class Transformer(nn.Module):
         mask: Tensor,
         tap_layers: tuple[int, ...] = (),
         logits: bool = True,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """tokens, positions, slots: [bs, T]; mask: [bs, 1, T, span] bool over cache slots.
+        """tokens, positions, slots: [bs, T]; mask: [bs, 1, T, span] bool over cache slots;
+        rows: the cache rows of the batch entries (default 0..bs-1).
 
         Returns (logits [bs, T, V] or the final normed hidden states, taps [bs, T, len(taps)*H] or None),
         where tap l is the output of decoder layer l (0-based).
@@ -272,7 +278,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         taps = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, slots, mask)
+            x = layer(x, cos, sin, slots, mask, rows)
             if i in tap_layers:
                 taps[i] = x
         h = self.model.norm(x)
