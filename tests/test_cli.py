@@ -50,3 +50,22 @@ def test_generate_json_and_drafter_round_trip(tmp_path, smollm2):
     r = run_cli("generate", "--model", "smollm2-135m-instruct", "--method", "ar", "--chat", "--max-new-tokens", "10",
                 "--prompt", "What is 2+2? Answer briefly.")
     assert r.returncode == 0 and "4" in r.stdout, r.stderr
+
+
+def test_smoke_passes_and_a_corrupted_input_fails_with_termination_log(tmp_path, smollm2):
+    drafter = tmp_path / "drafter"
+    assert run_cli("init-drafter", "--target", "smollm2-135m-instruct", "--out", str(drafter)).returncode == 0
+    common = ["smoke", "--model", "smollm2-135m-instruct", "--drafter", str(drafter), "--method", "ddtree",
+              "--budget", "8", "--batch-sizes", "1,2", "--max-new-tokens", "4", "--max-seq-len", "128",
+              "--termination-log", str(tmp_path / "termination-log")]
+    ok = run_cli(*common)
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert report["passed"] and report["mode"] == "eager" and report["mismatches"] == []
+    assert set(report) >= {"passed", "captured", "capture_seconds", "mismatches", "reason"}
+    assert not (tmp_path / "termination-log").exists()
+    bad = run_cli(*common, "--fault", "corrupt-graph-input")
+    assert bad.returncode == 1
+    report = json.loads(bad.stdout.strip().splitlines()[-1])
+    assert not report["passed"] and report["mismatches"]
+    assert (tmp_path / "termination-log").read_text().startswith("smoke test failed")

@@ -74,8 +74,8 @@ class OracleEngine(Engine):
         super().__init__(*args, **kw)
         self.continuations = continuations
 
-    def propose(self, n):
-        real = super().propose(n)  # keep the drafter cache path running
+    def propose(self, n, span):
+        real = super().propose(n, span)  # keep the drafter cache path running
         g = torch.Generator().manual_seed(sum(self.host_lengths))
         logits = torch.randn(real.shape, generator=g)
         for i, full in enumerate(self.continuations):
@@ -102,16 +102,20 @@ def test_greedy_equals_ar_with_long_accepted_paths(tiny_target, tiny_drafter, me
 
 
 def test_kv_compaction_over_many_rounds_equals_fresh_prefill(tiny_target, tiny_drafter):
-    ref = reference(tiny_target, n=60)
+    ref = reference(tiny_target, n=80)
     full = [p + r.token_ids for p, r in zip(PROMPTS, ref)]
-    eng = OracleEngine(tiny_target, tiny_drafter, "ddtree", 16, max_batch_size=3, max_seq_len=96, continuations=full)
-    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=60))
-    assert all(r.rounds >= 10 for r in res)
+    eng = OracleEngine(tiny_target, tiny_drafter, "ddtree", 16, max_batch_size=3, max_seq_len=128, continuations=full)
+    emitted = [[eng.add(i, p, SamplingParams(max_new_tokens=80))] for i, p in enumerate(PROMPTS)]
+    for _ in range(12):
+        for i, toks in enumerate(eng.step(3)):
+            emitted[i] += toks
+    assert min(len(e) for e in emitted) > 12 + 12, "rounds must have accepted several tokens"
     caches = [(l.self_attn.kv_cache.k.clone(), l.self_attn.kv_cache.v.clone()) for l in tiny_target.model.layers]
     # committed text in the cache = prompt + all emitted tokens but the last (the pending bonus)
-    for i, (p, r) in enumerate(zip(PROMPTS, res)):
-        text = p + r.token_ids[:-1]
-        fresh = Engine(tiny_target, None, "ar", max_batch_size=1, max_seq_len=96)
+    for i, p in enumerate(PROMPTS):
+        text = p + emitted[i][:-1]
+        assert eng.host_lengths[i] == len(text)
+        fresh = Engine(tiny_target, None, "ar", max_batch_size=1, max_seq_len=128)
         fresh.add(0, text, SamplingParams(max_new_tokens=1))
         for (k, v), layer in zip(caches, tiny_target.model.layers):
             torch.testing.assert_close(k[i, :, : len(text)], layer.self_attn.kv_cache.k[0, :, : len(text)], atol=1e-4, rtol=1e-4)

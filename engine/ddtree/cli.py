@@ -103,6 +103,101 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def parse_int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} needs positive integers, got '{text}'")
+    return values
+
+
+def build_engine(args, max_batch_size: int):
+    """Load target (+ drafter) and build an Engine from the common model flags."""
+    from .engine import Engine
+
+    if args.budget is not None and args.budget < 0:
+        raise UsageError(f"--budget must be >= 0, got {args.budget}")
+    if args.method != "ar" and not args.drafter:
+        raise UsageError(f"--method {args.method} needs --drafter (or use --method ar)")
+    device, dtype = _device_and_dtype(args.device, args.dtype)
+    target, tokenizer = load_target(args.model, device, dtype)
+    drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.method != "ar" else None
+    engine = Engine(target, drafter, args.method, args.budget, max_batch_size=max_batch_size,
+                    max_seq_len=args.max_seq_len)
+    return engine, tokenizer
+
+
+def cmd_smoke(args) -> int:
+    from .smoke import run_smoke, write_termination_log
+
+    sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
+    engine, tokenizer = build_engine(args, max(sizes))
+    if engine.device.type == "cuda" and not args.no_graphs:
+        engine.capture_graphs(batch_buckets=sizes)
+    texts = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time", "import numpy as np\n"]
+    report = run_smoke(engine, sizes, [tokenizer.encode(t) for t in texts], max_new_tokens=args.max_new_tokens,
+                       min_acceptance=args.min_acceptance, fault=args.fault)
+    if not report.passed:
+        write_termination_log(report.reason, args.termination_log)
+    print(report.reason, file=sys.stderr)
+    print(json.dumps(report.to_json()))
+    return 0 if report.passed else 1
+
+
+BENCH_PROMPTS = [
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "class LRUCache:\n    def __init__(self, capacity: int):\n",
+    "Explain in a few sentences why the sky is blue.",
+    "Write a short story about a robot who learns to paint.",
+    "import json\n\ndef load_config(path):\n",
+    "List five tips for writing clear documentation.",
+    "def is_prime(n: int) -> bool:\n",
+    "What are the main differences between TCP and UDP?",
+]
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from .bench import random_drafter, random_model, run_bench
+
+    if not torch.cuda.is_available():
+        raise UsageError("ddtree bench measures GPU performance and needs a CUDA device")
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = set(args.methods) - {"ar", "dflash", "ddtree"}
+    if unknown:
+        raise UsageError(f"unknown methods {sorted(unknown)} in --methods")
+    args.budgets = parse_int_list(args.budgets, "--budgets")
+    args.batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
+    args.graph_modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs]
+    dtype = torch.bfloat16
+    if args.model.startswith("random:"):
+        target = random_model(args.model.split(":", 1)[1], "cuda", dtype)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, target.config.vocab_size, (args.ctx,), generator=g).tolist() for _ in range(4)]
+        label = f"{args.model} (random weights: acceptance is meaningless, cost only)"
+    else:
+        target, tokenizer = load_target(args.model, "cuda", dtype)
+        prompts = []
+        for text in BENCH_PROMPTS:
+            if text.startswith(("def ", "class ", "import ")):
+                prompts.append(tokenizer.encode(text))
+            else:
+                prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                             add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False))
+        label = f"{args.model} + {args.drafter or 'no drafter'}"
+    drafter = None
+    if args.drafter and args.drafter.startswith("random:"):
+        drafter = random_drafter(target, int(args.drafter.split(":", 1)[1]), 16)
+    elif args.drafter:
+        drafter = load_drafter_ref(args.drafter, target, "cuda", dtype)
+    run_bench(args, target, drafter, prompts, label)
+    return 0
+
+
 def cmd_init_drafter(args) -> int:
     import torch
 
@@ -126,6 +221,16 @@ def cmd_init_drafter(args) -> int:
     return 0
 
 
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="built-in id (smollm2-135m-instruct), local folder, .gguf or hub id")
+    p.add_argument("--drafter", help="DFlash drafter: local folder, built-in id or hub id")
+    p.add_argument("--method", choices=["ar", "dflash", "ddtree"], default="ddtree")
+    p.add_argument("--budget", type=int, help="DDTree node budget B (verify width B+1); default block_size-1")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV cache length per sequence")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ddtree", description="DDTree speculative decoding engine")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -146,6 +251,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
     g.set_defaults(func=cmd_generate)
+
+    sm = sub.add_parser("smoke", help="capture graphs and compare them with eager execution (readiness gate)")
+    add_engine_flags(sm)
+    sm.add_argument("--batch-sizes", default="1,2,4")
+    sm.add_argument("--max-new-tokens", type=int, default=8)
+    sm.add_argument("--min-acceptance", type=float, default=1.0, help="fail below this acceptance length")
+    sm.add_argument("--termination-log", help="file for the failure reason (default /dev/termination-log if present)")
+    sm.add_argument("--no-graphs", action="store_true", help="compare batched eager rounds only")
+    sm.add_argument("--fault", choices=["corrupt-graph-input"], help=argparse.SUPPRESS)
+    sm.set_defaults(func=cmd_smoke)
+
+    b = sub.add_parser("bench", help="benchmark ar / dflash / ddtree with and without CUDA graphs (GPU)")
+    b.add_argument("--model", required=True, help="model id, or random:qwen3-8b for random weights of that shape")
+    b.add_argument("--drafter", help="drafter id, or random:LAYERS for a random-init drafter")
+    b.add_argument("--methods", default="ar,dflash,ddtree")
+    b.add_argument("--budgets", default="8,16,32,64,128")
+    b.add_argument("--batch-sizes", default="1,4,16,64")
+    b.add_argument("--graphs", choices=["on", "off", "both"], default="both")
+    b.add_argument("--ctx", type=int, default=1024, help="prompt length for random models")
+    b.add_argument("--rounds", type=int, default=16, help="timed rounds per configuration")
+    b.add_argument("--micro", action="store_true", help="also time single target forwards vs the HBM bound")
+    b.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
+    b.add_argument("--capture-all", action="store_true", help="also time capturing every batch/span bucket")
+    b.add_argument("--out", help="folder for bench.json and bench.md")
+    b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("init-drafter", help="write a randomly initialised DFlash drafter for a target")
     d.add_argument("--target", required=True)

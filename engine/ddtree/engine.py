@@ -78,7 +78,7 @@ class Engine:
         self.target, self.method = target, method
         # budget 0 verifies the root only: plain decoding, no drafter work
         self.drafter = drafter if method == "dflash" or (method == "ddtree" and budget != 0) else None
-        block = drafter.block_size if drafter is not None else 1
+        block = self.drafter.block_size if self.drafter is not None else 1
         if method == "ddtree":
             self.budget = block - 1 if budget is None else budget
             self.max_depth = min(self.budget, block - 1)
@@ -112,6 +112,10 @@ class Engine:
         self.ctx_count = torch.zeros(b, dtype=torch.long, device=dev)
         # round output: [accepted, emitted tokens (max_depth + 1)]
         self.readout = torch.zeros(b, self.max_depth + 2, dtype=torch.long, device=dev)
+        self.node_max_logit = torch.zeros(b, self.tree_size, device=dev)
+        self.graphs = None  # RoundGraphs once capture_graphs() ran
+        self.eager_rounds = 0
+        self.phase_events: list | None = None
         self.generator = torch.Generator(device=dev)
         # host mirrors, so that the host never reads the device outside the per-round readout
         self.host_lengths = [0] * b
@@ -150,17 +154,18 @@ class Engine:
 
     def release(self, slot: int) -> None:
         self.active[slot] = False
+        self.lengths[slot] = 0  # idle slots stay at length 0, inside every attention span
         self.host_sampling[slot] = False
         self.host_active[slot] = False
+        self.host_lengths[slot] = 0
 
     # ---- one round --------------------------------------------------------------------------
 
-    def _span(self, n: int, width: int) -> int:
-        """Attention span over cache slots, rounded up so that few distinct shapes occur."""
-        max_len = max(self.host_lengths[:n])
-        return min(self.max_slots, -(-(max_len + width) // 128) * 128)
+    def span_needed(self, n: int) -> int:
+        """Cache slots a round on slots [0, n) attends over: the longest text plus the tree or block."""
+        return max(self.host_lengths[:n]) + max(self.tree_size, self.block_size)
 
-    def propose(self, n: int) -> Tensor:
+    def propose(self, n: int, span: int) -> Tensor:
         """Drafter forward on slots [0, n): [n, D, V] draft logits for the D positions after the bonus."""
         dev, block = self.device, self.block_size
         lengths, count = self.lengths[:n], self.ctx_count[:n]
@@ -172,7 +177,6 @@ class Engine:
         # padding rows and idle slots write to the trash slot
         live = (j < count[:, None]) & self.active[:n, None]
         ctx_slots = torch.where(live, ctx_pos, self.drafter.max_slots)
-        span = self._span(n, block)
         mask = (torch.arange(span, device=dev) < (lengths[:, None] + block)).view(n, 1, 1, span)
         hidden = self.drafter(
             self.target.embed(block_tokens), block_pos, block_pos, mask.expand(n, 1, block, span),
@@ -180,23 +184,31 @@ class Engine:
         )
         return self.target.lm_head(hidden[:, 1 : 1 + self.max_depth])
 
-    def build_tree(self, n: int) -> Tree:
+    def build_tree(self, n: int, span: int) -> Tree:
         if self.drafter is None:
             return root_only(self.bonus[:n])
-        draft_logits = self.propose(n)
+        draft_logits = self.propose(n, span)
+        self._mark("draft")
         if self.method == "dflash":
             return build_chain(self.bonus[:n], draft_logits)
         return build_ddtree(self.bonus[:n], draft_logits, self.budget)
 
-    def round(self, n: int) -> None:
-        """One draft-tree-verify-walk-commit round on slots [0, n); results land in self.readout[:n]."""
+    def round(self, n: int, span: int, sampling: bool) -> None:
+        """One draft-tree-verify-walk-commit round on slots [0, n), attending over `span` cache slots.
+
+        Reads and writes only persistent buffers (results land in self.readout[:n]) and never syncs
+        with the host, so that it can be captured as one CUDA graph per (n, span, sampling)."""
         dev = self.device
+        self._mark("start")
         lengths, active = self.lengths[:n], self.active[:n]
-        tree = self.build_tree(n)
+        tree = self.build_tree(n, span)
+        self._mark("tree")
         slots = lengths[:, None] + torch.arange(tree.size, device=dev)
-        mask = tree_mask(lengths, tree.visible, self._span(n, tree.size))
+        mask = tree_mask(lengths, tree.visible, span)
         logits, taps = self.target(tree.tokens, lengths[:, None] + tree.depth, slots, mask, self.tap_layers)
-        decisions = decide(logits, self.temperature[:n], self.top_p[:n], self.generator, any(self.host_sampling[:n]))
+        self.node_max_logit[:n].copy_(logits.amax(-1))  # what the smoke test compares with eager
+        decisions = decide(logits, self.temperature[:n], self.top_p[:n], self.generator, sampling)
+        self._mark("verify")
         w = walk(tree, decisions, self.max_depth)
         if self.max_depth > 0:
             steps = torch.arange(self.max_depth + 1, device=dev)
@@ -208,11 +220,23 @@ class Engine:
         self.bonus[:n].copy_(w.bonus)
         self.readout[:n, 0].copy_(w.accepted)
         self.readout[:n, 1:].copy_(w.emitted)
+        self._mark("walk")
+
+    def _mark(self, phase: str) -> None:
+        """Phase boundary for `profile_phases` (eager rounds only; inside a graph it is a no-op)."""
+        if self.phase_events is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.phase_events.append((phase, event))
 
     @torch.inference_mode()
     def step(self, n: int) -> list[list[int]]:
         """Run one round on slots [0, n) and return, per slot, the tokens it emitted (idle slots: [])."""
-        self.round(n)
+        sampling = any(self.host_sampling[:n])
+        needed = self.span_needed(n)
+        if self.graphs is None or not self.graphs.run(n, needed, sampling):
+            self.eager_rounds += 1
+            self.round(n, min(self.max_slots, -(-needed // 128) * 128), sampling)
         rows = self.readout[:n].tolist()  # the one host sync of the round
         out = []
         for slot, row in enumerate(rows):
@@ -222,6 +246,15 @@ class Engine:
             self.host_lengths[slot] += row[0]
             out.append(row[1 : 1 + row[0]])
         return out
+
+    def capture_graphs(self, batch_buckets: list[int] | None = None, span_buckets: list[int] | None = None,
+                       sampling: tuple[bool, ...] = (False,), fallback: bool = False) -> float:
+        """Capture CUDA graphs of whole rounds (see graphs.py); returns the capture time in seconds."""
+        from .graphs import RoundGraphs
+
+        buckets = batch_buckets or [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= self.max_batch_size]
+        self.graphs = RoundGraphs(self, buckets, span_buckets, fallback)
+        return self.graphs.capture(sampling)
 
     # ---- offline batch generation -----------------------------------------------------------
 

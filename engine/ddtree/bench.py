@@ -1,0 +1,286 @@
+"""`ddtree bench`: ar / dflash / ddtree side by side, with and without CUDA graphs, plus the
+Hugging Face `generate` baseline, in one process; and micro-benchmarks of single target forwards.
+
+Models: a real model id (acceptance is real when the drafter is trained) or `random:qwen3-8b`, a
+Qwen3-8B-shaped model with random bf16 weights generated on the device (the cost side: its
+acceptance is meaningless and labelled so).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .drafter import DrafterConfig, init_drafter
+from .engine import Engine, SamplingParams
+from .model import ModelConfig, Transformer
+
+RANDOM_SHAPES = {
+    # Qwen3-8B: 36 layers, hidden 4096, 32 q / 8 kv heads of 128, MLP 12288, vocab 151936
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
+                     model_type="qwen3", max_position_embeddings=40960),
+    # a small shape for quick GPU checks
+    "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+}
+
+
+@torch.no_grad()
+def random_model(shape: str, device, dtype, seed: int = 0) -> Transformer:
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random shape '{shape}' (known: {', '.join(RANDOM_SHAPES)})")
+    cfg = ModelConfig(**RANDOM_SHAPES[shape])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(cfg).to(dtype)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0, 0.02)
+    return model.eval()
+
+
+def random_drafter(target: Transformer, layers: int, block_size: int, seed: int = 0):
+    p = target.lm_head.weight
+    cfg = DrafterConfig.for_target(target.config, num_layers=layers, block_size=block_size)
+    return init_drafter(cfg, seed).to(device=p.device, dtype=p.dtype)
+
+
+def copy_bandwidth(device) -> float:
+    """Measured device copy bandwidth in bytes/s (read + write of a 2 GiB buffer)."""
+    src = torch.empty(1 << 30, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / reps
+    del src, dst
+    return 2 * (1 << 31) / seconds
+
+
+@torch.inference_mode()
+def forward_ms(target: Transformer, batch: int, ctx: int, tokens: int, graphs: bool, reps: int = 50) -> float:
+    """Time of one target forward of `tokens` new tokens per sequence after `ctx` cached ones."""
+    dev = target.lm_head.weight.device
+    target.setup_caches(batch, ctx + tokens)
+    span = ctx + tokens
+    ids = torch.randint(0, target.config.vocab_size, (batch, tokens), device=dev)
+    pos = (ctx + torch.arange(tokens, device=dev)).expand(batch, -1).contiguous()
+    j = torch.arange(span, device=dev)
+    mask = (j[None, :] <= pos[0, :, None]).view(1, 1, tokens, span).expand(batch, 1, tokens, span).contiguous()
+    run = lambda: target(ids, pos, pos, mask)  # noqa: E731
+    for _ in range(3):
+        run()
+    if graphs:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        run = g.replay
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1000
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def micro(target: Transformer, ctx: int = 1024) -> dict:
+    """Plain decode step and verify widths at batch 1 against the HBM bound."""
+    dev = target.lm_head.weight.device
+    bw = copy_bandwidth(dev)
+    wbytes = weight_bytes(target)
+    out = {"weight_bytes": wbytes, "copy_bandwidth_GBps": round(bw / 1e9, 1),
+           "hbm_bound_ms": round(wbytes / bw * 1000, 3), "ctx": ctx, "forward_ms": {}}
+    for tokens in (1, 17, 33, 65):
+        out["forward_ms"][tokens] = round(forward_ms(target, 1, ctx, tokens, graphs=True), 3)
+    out["decode_over_hbm_bound"] = round(out["forward_ms"][1] / out["hbm_bound_ms"], 3)
+    out["verify33_over_decode"] = round(out["forward_ms"][33] / out["forward_ms"][1], 3)
+    return out
+
+
+def count_host_syncs(engine: Engine, n: int) -> float:
+    """Host synchronisations per round from profiler traces: (syncs in 8 rounds - syncs in 3 rounds) / 5,
+    so that the profiler's own start/stop synchronisation cancels out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+    def syncs(rounds: int) -> int:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(rounds):
+                engine.step(n)
+        return sum(e.count for e in prof.key_averages() if e.key in names)
+
+    return (syncs(8) - syncs(3)) / 5
+
+
+@torch.inference_mode()
+def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, profile_phases) -> dict:
+    # room for warm-up, timed and profiled rounds at up to block_size tokens each
+    block = drafter.block_size if drafter is not None and method != "ar" else 1
+    max_seq = max(len(p) for p in prompts) + (rounds + 16) * block + 64
+    engine = Engine(target, drafter, method, budget, max_batch_size=batch, max_seq_len=max_seq)
+    row = {"method": method, "budget": engine.budget, "batch": batch, "graphs": graphs, "tree_size": engine.tree_size}
+    torch.cuda.reset_peak_memory_stats()
+    if graphs:
+        row["capture_seconds"] = round(engine.capture_graphs([batch], [engine.max_slots]), 3)
+    params = SamplingParams(max_new_tokens=max_seq - max(len(p) for p in prompts))
+    for i in range(batch):
+        engine.add(i, prompts[i % len(prompts)], params)
+    for _ in range(2):  # warm-up
+        engine.step(batch)
+    if profile_phases and not graphs:
+        engine.phase_events = []
+        engine.step(batch)
+        torch.cuda.synchronize()
+        marks = engine.phase_events
+        engine.phase_events = None
+        row["phase_ms"] = {
+            name: round(start.elapsed_time(end), 3)
+            for (_, start), (name, end) in zip(marks, marks[1:])
+        }
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    emitted = 0
+    for _ in range(rounds):
+        emitted += sum(len(t) for t in engine.step(batch))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    row.update(
+        ms_per_round=round(seconds / rounds * 1000, 3),
+        acceptance_length=round(emitted / (rounds * batch), 3),
+        tokens_per_second=round(emitted / seconds, 1),
+        peak_memory_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    )
+    if graphs:
+        row["host_syncs_per_round"] = count_host_syncs(engine, batch)
+        row["eager_fallbacks"] = engine.graphs.fallbacks
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+@torch.inference_mode()
+def hf_baseline(target: Transformer, batch: int, prompts, new_tokens: int) -> dict:
+    """transformers `generate` (greedy) on the same weights: what a user would otherwise run."""
+    import transformers
+
+    cfg = target.config
+    kind = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config}.get(cfg.model_type, transformers.LlamaConfig)
+    hf_cfg = kind(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                  num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                  rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+                  max_position_embeddings=cfg.max_position_embeddings)
+    dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            hf = getattr(transformers, kind.__name__.replace("Config", "ForCausalLM"))(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    hf.load_state_dict(target.state_dict(), strict=False)
+    length = min(len(p) for p in prompts)
+    ids = torch.tensor([prompts[i % len(prompts)][:length] for i in range(batch)], device=dev)
+    hf.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del hf
+    return {"method": "hf-generate", "batch": batch, "graphs": False, "budget": None,
+            "tokens_per_second": round(batch * new_tokens / seconds, 1),
+            "ms_per_round": round(seconds / new_tokens * 1000, 3), "acceptance_length": 1.0}
+
+
+@torch.inference_mode()
+def capture_all(target, drafter, ctx: int, budget: int = 32) -> dict:
+    """Capture time of every batch bucket (1..64) and span bucket for a ddtree engine."""
+    engine = Engine(target, drafter, "ddtree", budget, max_batch_size=64, max_seq_len=2 * ctx)
+    torch.cuda.reset_peak_memory_stats()
+    seconds = engine.capture_graphs()
+    out = {"budget": budget, "graphs": len(engine.graphs.graphs), "batch_buckets": engine.graphs.batch_buckets,
+           "span_buckets": engine.graphs.span_buckets, "capture_seconds": round(seconds, 2),
+           "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    cols = ["method", "budget", "batch", "graphs", "acceptance_length", "tokens_per_second", "ms_per_round",
+            "phase_ms", "capture_seconds", "host_syncs_per_round", "peak_memory_GiB"]
+    lines = [f"### {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            if isinstance(v, dict):
+                v = " / ".join(f"{k} {x}" for k, x in v.items())
+            cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_bench(args, target, drafter, prompts, label: str) -> dict:
+    results = {"label": label, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    if args.micro:
+        results["micro"] = micro(target, args.ctx)
+        print(json.dumps({"micro": results["micro"]}), flush=True)
+    if args.capture_all and drafter is not None:
+        results["capture_all"] = capture_all(target, drafter, args.ctx)
+        print(json.dumps({"capture_all": results["capture_all"]}), flush=True)
+    methods = []
+    for m in args.methods:
+        if m == "ddtree":
+            methods += [("ddtree", b) for b in args.budgets]
+        else:
+            methods.append((m, None))
+    for batch in args.batch_sizes:
+        for method, budget in methods:
+            for graphs in args.graph_modes:
+                if method != "ar" and drafter is None:
+                    continue
+                try:
+                    row = run_config(target, drafter, method, budget, batch, prompts, graphs, args.rounds,
+                                     profile_phases=True)
+                except torch.OutOfMemoryError as exc:
+                    row = {"method": method, "budget": budget, "batch": batch, "graphs": graphs,
+                           "error": f"out of memory: {str(exc).splitlines()[0]}"}
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        if args.hf_baseline:
+            row = hf_baseline(target, batch, prompts, args.rounds)
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(results, indent=1))
+        (out / "bench.md").write_text(markdown(results["rows"], label))
+    return results

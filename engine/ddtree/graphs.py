@@ -1,0 +1,115 @@
+"""CUDA graphs of whole rounds, one per (batch bucket, attention-span bucket, sampling).
+
+A graph replays `Engine.round` on slots [0, bucket): draft at block_size tokens per sequence, verify
+at budget + 1, walk and compaction, all reading and writing the engine's persistent buffers, so a
+replay needs no input copies. Widths come from the engine's own settings (block size from the
+drafter, tree size from the budget) and are recorded with each graph; a replay for a shape that was
+not captured raises GraphShapeError naming both shapes, or runs eagerly when `fallback` is set.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+class GraphShapeError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    batch: int  # sequences per replay (slots [0, batch))
+    span: int  # cache slots attended over
+    draft_tokens: int  # drafter queries per sequence (block_size; 0 without a drafter)
+    verify_tokens: int  # target tokens per sequence (budget + 1)
+    sampling: bool
+
+    def describe(self) -> str:
+        return (f"batch {self.batch} x span {self.span}, draft {self.draft_tokens} / verify "
+                f"{self.verify_tokens} tokens per sequence, {'sampling' if self.sampling else 'greedy'}")
+
+
+def default_span_buckets(max_slots: int, smallest: int = 256) -> list[int]:
+    spans, s = [], smallest
+    while s < max_slots:
+        spans.append(s)
+        s *= 2
+    return spans + [max_slots]
+
+
+class RoundGraphs:
+    def __init__(self, engine, batch_buckets: list[int], span_buckets: list[int] | None = None,
+                 fallback: bool = False):
+        bad = [b for b in batch_buckets if not 1 <= b <= engine.max_batch_size]
+        if bad:
+            raise GraphShapeError(f"batch buckets {bad} outside 1..max_batch_size={engine.max_batch_size}")
+        self.engine = engine
+        self.batch_buckets = sorted(set(batch_buckets))
+        # a span never exceeds the cache (its last slot, the trash slot, is never attended)
+        self.span_buckets = sorted({min(s, engine.max_slots) for s in span_buckets or default_span_buckets(engine.max_slots)})
+        self.fallback = fallback
+        self.graphs: dict[RoundShape, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.fallbacks = 0
+
+    def shape(self, batch: int, span: int, sampling: bool) -> RoundShape:
+        e = self.engine
+        return RoundShape(batch, span, e.block_size if e.drafter is not None else 0, e.tree_size, sampling)
+
+    @torch.inference_mode()
+    def capture(self, sampling: tuple[bool, ...] = (False,)) -> float:
+        """Capture every (batch bucket, span bucket, sampling) graph. Must run while no request is active:
+        warm-up and capture rounds write garbage into idle slots."""
+        e = self.engine
+        if e.device.type != "cuda":
+            raise GraphShapeError(f"CUDA graphs need a CUDA device (engine is on {e.device})")
+        if any(e.host_active):
+            raise RuntimeError("capture graphs before admitting requests")
+        start = time.perf_counter()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        for samp in sampling:
+            for span in self.span_buckets:
+                for batch in self.batch_buckets:
+                    shape = self.shape(batch, span, samp)
+                    with torch.cuda.stream(stream):
+                        e.round(batch, span, samp)  # warm-up: allocator and kernel selection
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    if samp:
+                        graph.register_generator_state(e.generator)
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        e.round(batch, span, samp)
+                    self.pool = graph.pool()  # graphs never run concurrently: share one memory pool
+                    self.graphs[shape] = graph
+        torch.cuda.synchronize()
+        e.lengths.zero_()
+        e.ctx_count.zero_()
+        self.capture_seconds += time.perf_counter() - start
+        return self.capture_seconds
+
+    def run(self, n: int, span_needed: int, sampling: bool) -> bool:
+        """Replay the smallest captured graph covering n sequences and span_needed slots.
+        Returns False (caller runs eagerly) only in fallback mode."""
+        batch = next((b for b in self.batch_buckets if b >= n), None)
+        span = next((s for s in self.span_buckets if s >= span_needed), None)
+        shape = self.shape(batch or n, span or span_needed, sampling)
+        graph = self.graphs.get(shape) if batch and span else None
+        if graph is None:
+            if self.fallback:
+                self.fallbacks += 1
+                return False
+            raise GraphShapeError(
+                f"no CUDA graph captured for {shape.describe()}; captured: "
+                + ("; ".join(s.describe() for s in list(self.graphs)[:4]) or "none")
+                + (f" ... ({len(self.graphs)} graphs)" if len(self.graphs) > 4 else "")
+            )
+        graph.replay()
+        return True
+
+    def captured(self) -> list[dict]:
+        return [asdict(s) for s in self.graphs]

@@ -1,0 +1,82 @@
+"""CUDA graphs of whole rounds: replay equals eager, shapes are checked, and the smoke test gates on it.
+GPU tests are skipped on CPU; the shape checks and the smoke logic run everywhere."""
+
+import pytest
+import torch
+
+from conftest import random_target
+from ddtree.drafter import DrafterConfig, init_drafter
+from ddtree.engine import Engine, SamplingParams
+from ddtree.graphs import GraphShapeError, RoundGraphs
+from ddtree.smoke import run_smoke
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [5, 4]]
+
+
+def make(device="cpu", method="ddtree", budget=8, batch=4):
+    target = random_target().to(device)
+    drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=8), seed=1).to(device)
+    return Engine(target, drafter, method, budget, max_batch_size=batch, max_seq_len=96)
+
+
+def test_uncaptured_shape_is_a_clear_error_naming_both_shapes():
+    engine = make()
+    engine.graphs = RoundGraphs(engine, [1, 2], span_buckets=[128])  # clamped to the 105-slot cache
+    engine.add(0, PROMPTS[0], SamplingParams(max_new_tokens=8))
+    with pytest.raises(GraphShapeError) as err:
+        engine.step(1)
+    msg = str(err.value)
+    assert "no CUDA graph captured for batch 1 x span 105, draft 8 / verify 9 tokens per sequence, greedy" in msg
+    assert "captured: none" in msg
+    with pytest.raises(GraphShapeError, match="need a CUDA device"):
+        engine.graphs.capture()
+    with pytest.raises(GraphShapeError, match=r"batch buckets \[8\] outside"):
+        RoundGraphs(engine, [8])
+
+
+def test_fallback_runs_eagerly_and_the_smoke_test_reports_it():
+    engine = make()
+    engine.graphs = RoundGraphs(engine, [1], span_buckets=[128], fallback=True)
+    report = run_smoke(engine, [1, 2], PROMPTS, max_new_tokens=4)
+    assert not report.passed and "fell back to eager" in report.reason
+    assert report.fallbacks > 0 and report.mismatches == []
+
+
+def test_smoke_on_cpu_compares_batched_with_alone_and_catches_a_corrupted_input():
+    engine = make()
+    good = run_smoke(engine, [1, 2, 4], PROMPTS, max_new_tokens=6)
+    assert good.passed and good.mode == "eager" and good.acceptance_length >= 1.0, good.reason
+    bad = run_smoke(engine, [1, 2], PROMPTS, max_new_tokens=6, fault="corrupt-graph-input")
+    assert not bad.passed and bad.mismatches
+    assert run_smoke(engine, [2], PROMPTS, max_new_tokens=6).passed, "the fault must be undone afterwards"
+    assert not run_smoke(engine, [1], PROMPTS, max_new_tokens=6, min_acceptance=17.0).passed
+
+
+@gpu
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 8), ("ddtree", 32)])
+def test_graph_replay_equals_eager_for_every_bucket(method, budget):
+    engine = make("cuda", method, budget, batch=4)
+    sp = SamplingParams(max_new_tokens=24)
+    eager = engine.generate(PROMPTS, sp)
+    capture = engine.capture_graphs([1, 2, 4], [128])
+    assert capture > 0 and len(engine.graphs.graphs) == 3
+    for n in (1, 3, 4):  # 3 runs padded in the bucket of 4
+        rounds = engine.eager_rounds
+        got = engine.generate(PROMPTS[:n], sp)
+        assert [r.token_ids for r in got] == [r.token_ids for r in eager[:n]]
+        assert engine.eager_rounds == rounds, "no eager fallback"
+    report = run_smoke(engine, [1, 2, 4], PROMPTS, max_new_tokens=6)
+    assert report.passed and report.mode == "cuda-graphs", report.reason
+    bad = run_smoke(engine, [1, 2], PROMPTS, max_new_tokens=6, fault="corrupt-graph-input")
+    assert not bad.passed
+
+
+@gpu
+def test_sampling_graph_is_seeded_and_replays():
+    engine = make("cuda", "ddtree", 8, batch=2)
+    engine.capture_graphs([2], [128], sampling=(False, True))
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, seed=3)
+    a = engine.generate(PROMPTS[:2], sp)
+    b = engine.generate(PROMPTS[:2], sp)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
