@@ -68,3 +68,23 @@ def test_incremental_decode_matches_full_forward(tiny_target):
 def test_unsupported_architecture_is_refused():
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
         ModelConfig.from_hf({"model_type": "gpt2", "num_attention_heads": 2})
+
+
+def test_fused_projections_equal_separate_ones():
+    """fuse() shares storage with the HF-named parameters and computes the same logits."""
+    from conftest import random_target
+
+    m = random_target(seed=4)
+    m.setup_caches(max_batch=1, max_slots=16)
+    ids = torch.randint(0, m.config.vocab_size, (1, 10))
+    j = torch.arange(10)
+    mask = (j[:, None] >= j[None, :])[None, None]
+    with torch.no_grad():
+        before, _ = m(ids, j[None], j[None], mask)
+        state = {k: v.clone() for k, v in m.state_dict().items()}
+        m.fuse()
+        after, _ = m(ids, j[None], j[None], mask)
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    attn = m.model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.wqkv.data_ptr(), "views, not copies"
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in state.items())

@@ -92,6 +92,8 @@ class Engine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # room past the committed text for the tree (target) and the block (drafter)
         self.max_slots = max_seq_len + max(self.tree_size, block)
+        if target.model.layers[0].self_attn.wqkv is None:
+            target.fuse()
         target.setup_caches(max_batch_size, self.max_slots)
         self.device = dev = target.lm_head.weight.device
         if self.drafter is not None:

@@ -116,9 +116,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel on CUDA
 
 
 class KVCache(nn.Module):
@@ -178,12 +176,27 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.kv_cache: KVCache | None = None
+        self.wqkv: Tensor | None = None  # fused projection, see fuse()
+        self.bqkv: Tensor | None = None
+
+    def fuse(self) -> None:
+        """One GEMM for q, k and v: the three weights become views into one concatenated tensor, so
+        the parameter names (and state dicts) stay Hugging Face's and no memory is duplicated."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.wqkv = _concat_views([p.weight for p in projs])
+        if self.q_proj.bias is not None:
+            self.bqkv = _concat_views([p.bias for p in projs])
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, rows: Tensor | None) -> Tensor:
         bs, T, _ = x.shape
-        q = self.q_proj(x).view(bs, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(bs, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(bs, T, self.n_kv, self.head_dim)
+        if self.wqkv is not None:
+            q, k, v = F.linear(x, self.wqkv, self.bqkv).split(
+                [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(bs, T, self.n_heads, self.head_dim)
+        k = k.view(bs, T, self.n_kv, self.head_dim)
+        v = v.view(bs, T, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
@@ -194,15 +207,34 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
 
 
+def _concat_views(params: list[nn.Parameter]) -> Tensor:
+    """Concatenate parameters along dim 0 and re-point each at its slice of the result."""
+    fused = torch.cat([p.detach() for p in params], dim=0)
+    start = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = fused[start : start + n]
+        start += n
+    return fused
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.w_gate_up: Tensor | None = None
+
+    def fuse(self) -> None:
+        self.w_gate_up = _concat_views([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.w_gate_up is not None:
+            gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -240,6 +272,12 @@ class Transformer(nn.Module):
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
         self.max_batch = self.max_slots = 0
+
+    def fuse(self) -> None:
+        """Fused q/k/v and gate/up GEMMs for inference (fewer, larger kernels); weights are shared."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def setup_caches(self, max_batch: int, max_slots: int) -> None:
         p = self.lm_head.weight
