@@ -1,0 +1,412 @@
+"""The `SpeculativeDeployment` API (ddtree.dev/v1alpha1) as pydantic models.
+
+These models are the single source of truth: `ddtree_operator.crd` turns them into the CRD's OpenAPI
+schema (including the CEL rules below), and the operator parses every object's spec with them.
+Cross-field rules are declared once as `Rule`s: the CEL expression is what the API server enforces on
+`kubectl apply`, the Python predicate is the same check for code that builds specs without a server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+from typing import Annotated, Any, Callable, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "ddtree.dev"
+VERSION = "v1alpha1"
+KIND = "SpeculativeDeployment"
+PLURAL = "speculativedeployments"
+SINGULAR = "speculativedeployment"
+SHORT_NAMES = ["specdeploy"]
+CATEGORIES = ["llm"]
+
+# Kubernetes' own pattern for resource.Quantity (k8s.io/apimachinery/pkg/api/resource).
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+
+def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (examples: 4, 500m, 16Gi)")
+    return value
+
+
+# Written `cpu: 4` or `memory: 16Gi`, like the quantities of a PodSpec.
+Quantity = Annotated[
+    int | str,
+    AfterValidator(_check_quantity),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
+]
+
+# Deliberately opaque (a full core/v1 Affinity schema would bloat the CRD, see docs/operator.md);
+# the API server validates it when the operator copies it into the Deployment.
+OpaqueObject = Annotated[
+    dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A cross-field rule: `cel` for the API server (x-kubernetes-validations), `check` for Python."""
+
+    cel: str
+    message: str
+    check: Callable[[Any], bool]
+    field_path: str | None = None  # where the API server reports the error, e.g. ".drafter"
+
+
+def nested(model: type, description: str | None = None):
+    """A nested object that is always present: `{}` in the CRD schema, so the server fills its defaults."""
+    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+
+
+class _Model(BaseModel):
+    """camelCase on the wire, unknown fields rejected, `Rule`s enforced and exported to the schema."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_rules(self):
+        for rule in self.rules:
+            if not rule.check(self):
+                raise ValueError(rule.message)
+        return self
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        schema = handler(core_schema)
+        target = handler.resolve_ref_schema(schema)
+        if cls.rules:
+            target["x-kubernetes-validations"] = [
+                {"rule": r.cel, "message": r.message, **({"fieldPath": r.field_path} if r.field_path else {})}
+                for r in cls.rules
+            ]
+        return schema
+
+
+# pvc://<claim>/<path>; the same regular expression in CEL (RE2) and Python.
+PVC_URI_PATTERN = r"^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.+$"
+PVC_URI_RULE = Rule(
+    cel=f"!self.uri.startsWith('pvc://') || self.uri.matches('{PVC_URI_PATTERN}')",
+    message="a pvc:// uri must look like pvc://<claim-name>/<path inside the claim>",
+    check=lambda m: not m.uri.startswith("pvc://") or re.match(PVC_URI_PATTERN, m.uri) is not None,
+    field_path=".uri",
+)
+
+
+class ModelSpec(_Model):
+    """The target model the engine serves."""
+
+    uri: str = Field(
+        min_length=1,
+        max_length=512,
+        description="Where the weights come from: a hub id (`org/name` or `hf://org/name`), "
+        "`pvc://<claim>/<path>` (the claim is mounted read-only), an absolute path inside the engine "
+        "image, or a built-in id such as `smollm2-135m-instruct`.",
+    )
+    revision: str | None = Field(
+        default=None, max_length=128, description="Hub revision (branch, tag or commit) to pin; hub ids only."
+    )
+    served_name: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Model name clients use in OpenAI requests (`--served-model-name`); "
+        "default: the engine's choice (the uri).",
+    )
+    rules: ClassVar = (PVC_URI_RULE,)
+
+
+class DrafterSpec(_Model):
+    """The DFlash drafter that proposes the draft tree."""
+
+    uri: str = Field(
+        min_length=1, max_length=512, description="Drafter weights; same forms as `model.uri`."
+    )
+    revision: str | None = Field(default=None, max_length=128, description="Hub revision to pin; hub ids only.")
+    rules: ClassVar = (PVC_URI_RULE,)
+
+
+class SpeculationSpec(_Model):
+    """How the engine speculates."""
+
+    method: Literal["ddtree", "dflash", "none"] = Field(
+        default="ddtree",
+        description="`ddtree` (tree of drafts verified in one pass), `dflash` (single draft block) or "
+        "`none` (plain autoregressive decoding, engine `--method ar`). Default: ddtree.",
+    )
+    budget: int = Field(
+        default=32, ge=1, le=1024, description="Draft-tree node budget per step (`--budget`). Default: 32."
+    )
+    block_size: int | None = Field(
+        default=None, ge=2, le=256, description="Drafter block size (`--block-size`); default: read from the drafter."
+    )
+    batch_buckets: list[Annotated[int, Field(ge=1, le=4096)]] | None = Field(
+        default=None,
+        max_length=32,
+        description="Batch sizes the engine captures CUDA graphs for (`--batch-buckets`); default: the engine's.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+
+
+class SecretKeyRef(_Model):
+    """A key of a Secret in the resource's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field(min_length=1, max_length=253)
+
+
+class EnvValueFrom(_Model):
+    """Where an environment variable's value comes from."""
+
+    secret_key_ref: SecretKeyRef
+
+
+class EnvVar(_Model):
+    """An environment variable of the engine container (a literal value or a Secret key)."""
+
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = None
+    value_from: EnvValueFrom | None = None
+    rules: ClassVar = (
+        Rule(
+            cel="has(self.value) != has(self.valueFrom)",
+            message="an env entry needs exactly one of value and valueFrom",
+            check=lambda m: (m.value is None) != (m.value_from is None),
+        ),
+    )
+
+
+class EngineSpec(_Model):
+    """The engine container."""
+
+    image: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Engine image (the Dockerfile's `engine` target); default: the operator's "
+        "configured engine image (Helm value `engine.image`).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Default: the operator's configured pull policy."
+    )
+    max_batch_size: int | None = Field(
+        default=None, ge=1, le=4096, description="Largest batch the engine schedules (`--max-batch-size`)."
+    )
+    args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=64, description="Extra `ddtree serve` arguments, appended last."
+    )
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
+
+
+class ParallelismSpec(_Model):
+    """How one replica is split over devices."""
+
+    tensor: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree (`--tensor-parallel`). Default: 1.")
+
+
+class ResourcesSpec(_Model):
+    """What one replica (pod) gets."""
+
+    gpus: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="`nvidia.com/gpu` limit; a multiple of `parallelism.tensor`. Default: 0 (CPU).",
+    )
+    gpu_product: list[Annotated[str, Field(max_length=128)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Acceptable `nvidia.com/gpu.product` node labels (e.g. NVIDIA-H200); required node affinity.",
+    )
+    cpu: Quantity | None = Field(default=None, description="CPU request (no CPU limit, to avoid throttling).")
+    memory: Quantity | None = Field(
+        default=None, description="Memory request and limit; must leave room for `sharedMemorySize` (tmpfs counts)."
+    )
+    shared_memory_size: Quantity = Field(
+        default="1Gi", description="Size of the in-memory `/dev/shm` volume. Default: 1Gi."
+    )
+
+
+class Toleration(_Model):
+    """core/v1 Toleration."""
+
+    key: str | None = Field(default=None, max_length=316)
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = Field(default=None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class SchedulingSpec(_Model):
+    """Where replicas may run."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    affinity: OpaqueObject | None = Field(
+        default=None, description="core/v1 Affinity; `resources.gpuProduct` is added to its required node affinity."
+    )
+    priority_class_name: str | None = Field(default=None, max_length=253)
+
+
+class ModelCacheSpec(_Model):
+    """An existing PVC used as the engine's download cache (DDTREE_CACHE and HF_HOME)."""
+
+    claim_name: str = Field(min_length=1, max_length=253)
+    read_only: bool = Field(
+        default=False, description="Mount read-only and run the hub client offline (a pre-filled cache)."
+    )
+
+
+class ReadinessSpec(_Model):
+    """When a replica counts as ready."""
+
+    startup_timeout_seconds: int = Field(
+        default=3600,
+        ge=60,
+        le=86400,
+        description="Budget for download, load, graph capture and smoke test before the startup probe "
+        "gives up. Default: 3600.",
+    )
+    smoke_test: bool = Field(
+        default=True,
+        description="Gate readiness on the engine's graph-capture smoke test (`/ready`); when false "
+        "readiness follows `/health`. Default: true.",
+    )
+    min_acceptance_length: float | None = Field(
+        default=None,
+        ge=1.0,
+        le=1025.0,
+        description="Windowed mean acceptance length below which the resource reports Degraded.",
+    )
+
+
+class MetricsSpec(_Model):
+    """The engine's port and how the operator scrapes it."""
+
+    port: int = Field(
+        default=8000,
+        ge=1024,
+        le=65535,
+        description="Port the engine serves on; the API, /health, /ready and /metrics share it. Default: 8000.",
+    )
+    scrape_interval_seconds: int = Field(
+        default=15, ge=5, le=3600, description="How often the operator scrapes ready pods. Default: 15."
+    )
+    pod_monitor: bool = Field(
+        default=False, description="Also create a Prometheus-operator PodMonitor. Default: false."
+    )
+
+
+class SpeculativeDeploymentSpec(_Model):
+    """A model served by DDTree speculative-decoding engine pods."""
+
+    model: ModelSpec
+    drafter: DrafterSpec | None = Field(default=None, description="Required for ddtree and dflash.")
+    speculation: SpeculationSpec = nested(SpeculationSpec)
+    engine: EngineSpec = nested(EngineSpec)
+    parallelism: ParallelismSpec = nested(ParallelismSpec)
+    replicas: int = Field(default=1, ge=0, le=1024, description="Engine pods (scale subresource). Default: 1.")
+    resources: ResourcesSpec = nested(ResourcesSpec)
+    scheduling: SchedulingSpec = nested(SchedulingSpec)
+    model_cache: ModelCacheSpec | None = None
+    readiness: ReadinessSpec = nested(ReadinessSpec)
+    metrics: MetricsSpec = nested(MetricsSpec)
+
+    rules: ClassVar = (
+        Rule(
+            cel="self.speculation.method == 'none' || has(self.drafter)",
+            message="spec.drafter is required when spec.speculation.method is ddtree or dflash",
+            check=lambda s: s.speculation.method == "none" or s.drafter is not None,
+            field_path=".drafter",
+        ),
+        Rule(
+            cel="self.speculation.method != 'none' || !has(self.drafter)",
+            message="spec.drafter must be omitted when spec.speculation.method is none",
+            check=lambda s: s.speculation.method != "none" or s.drafter is None,
+            field_path=".drafter",
+        ),
+        Rule(
+            cel="self.resources.gpus % self.parallelism.tensor == 0",
+            message="spec.resources.gpus must be a multiple of spec.parallelism.tensor",
+            check=lambda s: s.resources.gpus % s.parallelism.tensor == 0,
+            field_path=".resources.gpus",
+        ),
+        Rule(
+            cel="self.parallelism.tensor == 1 || self.resources.gpus > 0",
+            message="spec.parallelism.tensor > 1 needs GPUs (spec.resources.gpus)",
+            check=lambda s: s.parallelism.tensor == 1 or s.resources.gpus > 0,
+            field_path=".parallelism.tensor",
+        ),
+        Rule(
+            cel="!has(self.engine.maxBatchSize) || !has(self.speculation.batchBuckets) || "
+            "self.speculation.batchBuckets.all(b, b <= self.engine.maxBatchSize)",
+            message="every spec.speculation.batchBuckets entry must be <= spec.engine.maxBatchSize",
+            check=lambda s: s.engine.max_batch_size is None
+            or s.speculation.batch_buckets is None
+            or all(b <= s.engine.max_batch_size for b in s.speculation.batch_buckets),
+            field_path=".speculation.batchBuckets",
+        ),
+        Rule(
+            cel="!has(self.readiness.minAcceptanceLength) || self.speculation.method != 'none'",
+            message="spec.readiness.minAcceptanceLength needs speculation (method ddtree or dflash)",
+            check=lambda s: s.readiness.min_acceptance_length is None or s.speculation.method != "none",
+            field_path=".readiness.minAcceptanceLength",
+        ),
+    )
+
+
+# ---- status -------------------------------------------------------------------------------------
+
+Phase = Literal["Pending", "Loading", "Ready", "Degraded", "Failed"]
+CONDITION_TYPES = ("Ready", "Progressing", "SmokeTestPassed", "Degraded")
+
+
+class Condition(_Model):
+    """metav1.Condition."""
+
+    type: str = Field(max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    observed_generation: int | None = None
+    last_transition_time: datetime.datetime
+    reason: str = Field(max_length=1024)
+    message: str = Field(default="", max_length=32768)
+
+
+class SmokeTestStatus(_Model):
+    """Summary of the engines' graph-capture smoke tests."""
+
+    result: Literal["Pending", "Passed", "Failed", "Disabled"]
+    passed_replicas: int = Field(default=0, description="Ready pods whose engine reports a passed smoke test.")
+    graph_capture_seconds: float | None = Field(
+        default=None, description="Longest graph capture among ready pods (ddtree_graph_capture_seconds)."
+    )
+    message: str | None = Field(default=None, description="The engine's reason for the last failure.")
+
+
+class SpeculativeDeploymentStatus(_Model):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = None
+    phase: Phase | None = None
+    replicas: int | None = Field(default=None, description="Engine pods that exist (scale subresource).")
+    ready_replicas: int | None = None
+    updated_replicas: int | None = None
+    selector: str | None = Field(default=None, description="Label selector of the engine pods (scale subresource).")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    acceptance_length: float | None = Field(
+        default=None, description="Windowed mean acceptance length, 1 + Δaccepted/Δdrafts over ready pods."
+    )
+    throughput_tokens_per_second: float | None = Field(
+        default=None, description="Generated tokens per second over the last scrape window, summed over ready pods."
+    )
+    last_scrape_time: datetime.datetime | None = None
+    smoke_test: SmokeTestStatus | None = None

@@ -1,0 +1,217 @@
+"""kopf handlers: thin glue between the API server and the pure render/status functions.
+
+    kopf run --standalone --all-namespaces -m ddtree_operator.handlers
+
+- create/update/resume: server-side apply the rendered children (idempotent; restart-safe).
+- a timer per resource: scrape ready engines, recompute the status, patch only what changed.
+- indexes keep the engine Deployments and pods in memory, so ticks cost no LIST calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+import aiohttp
+import kopf
+import kubernetes
+import pydantic
+
+from . import api
+from .metrics import EngineSample, Window, parse_engine_metrics, window
+from .render import MANAGED_BY, OWNER_LABEL, EngineDefaults, Owner, render_children
+from .status import PodView, compute_status, deployment_view, pod_view, status_patch
+
+FIELD_MANAGER = "ddtree-operator"
+STATUS_TICK_SECONDS = 5.0  # status follows pods this fast; scraping has its own per-resource interval
+SCRAPE_TIMEOUT_SECONDS = 3.0
+RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
+MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+APPLY = "application/apply-patch+yaml"
+POD_MONITOR = ("monitoring.coreos.com", "v1", "podmonitors")
+
+
+def _api_client() -> kubernetes.client.ApiClient:
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        configuration = kubernetes.client.Configuration()
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+        return kubernetes.client.ApiClient(configuration)
+    # Read $KUBECONFIG now: the kubernetes package's own default is frozen when it is imported.
+    return kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG", "~/.kube/config"))
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The same credentials as `_api_client`, with kopf's own readers (in-cluster, else $KUBECONFIG)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Keep kopf's bookkeeping under our own group instead of kopf.zalando.org.
+    settings.persistence.finalizer = f"{api.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api.GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING  # Events for problems only, not for every handler run
+    # Never sit on a silently dead watch connection.
+    settings.watching.server_timeout = 120
+    settings.watching.client_timeout = 150
+    settings.watching.connect_timeout = 5
+    memo.api = _api_client()
+    memo.defaults = EngineDefaults(
+        image=os.environ.get("DDTREE_ENGINE_IMAGE", "ddtree-engine:latest"),
+        image_pull_policy=os.environ.get("DDTREE_ENGINE_IMAGE_PULL_POLICY", "IfNotPresent"),
+    )
+
+
+def _parse_spec(spec: Any) -> api.SpeculativeDeploymentSpec:
+    try:
+        return api.SpeculativeDeploymentSpec.model_validate(dict(spec))
+    except pydantic.ValidationError as exc:
+        # The CRD schema should have rejected it; an outdated CRD is the usual cause.
+        raise kopf.PermanentError(f"invalid spec (is the installed CRD older than the operator?): {exc}") from exc
+
+
+def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any]) -> None:
+    """Create or converge `obj`; fields we applied before and no longer render are removed."""
+    name, namespace = obj["metadata"]["name"], obj["metadata"]["namespace"]
+    options = {"field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY}
+    if obj["kind"] == "Deployment":
+        kubernetes.client.AppsV1Api(client).patch_namespaced_deployment(name, namespace, obj, **options)
+    elif obj["kind"] == "Service":
+        kubernetes.client.CoreV1Api(client).patch_namespaced_service(name, namespace, obj, **options)
+    elif obj["kind"] == "PodMonitor":
+        kubernetes.client.CustomObjectsApi(client).patch_namespaced_custom_object(
+            *POD_MONITOR[:2], namespace, POD_MONITOR[2], name, obj, **options
+        )
+    else:
+        raise ValueError(f"no apply path for kind {obj['kind']}")
+
+
+def apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymentSpec, body: Any) -> None:
+    client: kubernetes.client.ApiClient = memo.api
+    for child in render_children(owner, spec, memo.defaults):
+        try:
+            server_side_apply(client, child)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 403 and "NamespaceTerminating" in (exc.body or ""):
+                # The namespace controller is about to delete this resource as well.
+                raise kopf.TemporaryError(f"namespace {owner.namespace} is being deleted", delay=10) from exc
+            if child["kind"] == "PodMonitor" and exc.status == 404:
+                kopf.warn(body, reason="PodMonitorUnavailable",
+                          message="spec.metrics.podMonitor is true but the PodMonitor API "
+                                  "(monitoring.coreos.com/v1) is not installed")
+                continue
+            raise
+    if not spec.metrics.pod_monitor:
+        try:  # turned off since the last apply; 404 covers both "never made" and "no such API"
+            kubernetes.client.CustomObjectsApi(client).delete_namespaced_custom_object(
+                *POD_MONITOR[:2], owner.namespace, POD_MONITOR[2], owner.name
+            )
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+# A failed apply (API server busy, webhook down) is retried after 10 s, not kopf's default minute.
+@kopf.on.resume(*RESOURCE, backoff=10)
+@kopf.on.create(*RESOURCE, backoff=10)
+@kopf.on.update(*RESOURCE, field="spec", backoff=10)
+def reconcile(name: str, namespace: str, uid: str, spec: Any, body: Any, memo: kopf.Memo, **_: Any) -> None:
+    apply_children(memo, Owner(name, namespace, uid), _parse_spec(spec), body)
+
+
+@kopf.index("pods", labels=MANAGED)
+def engine_pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[tuple[str, str], PodView] | None:
+    owner = labels.get(OWNER_LABEL)
+    return {(namespace, owner): pod_view(body)} if owner else None
+
+
+@kopf.index("deployments", labels=MANAGED)
+def engine_deployments(namespace: str, name: str, body: Any, **_: Any) -> dict[tuple[str, str], Any]:
+    return {(namespace, name): deployment_view(body)}
+
+
+class ScrapeError(Exception):
+    """An engine's /metrics could not be read or understood."""
+
+
+async def _scrape(session: aiohttp.ClientSession, ip: str, port: int) -> EngineSample:
+    url = f"http://{f'[{ip}]' if ':' in ip else ip}:{port}/metrics"
+    try:
+        async with session.get(url) as response:
+            response.raise_for_status()
+            text = await response.text()
+        return parse_engine_metrics(text, time.monotonic())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        raise ScrapeError(f"{url}: {str(exc) or type(exc).__name__}") from exc
+
+
+async def _scrape_if_due(
+    spec: api.SpeculativeDeploymentSpec, pods: list[PodView], memo: kopf.Memo, logger: Any,
+) -> tuple[dict[str, EngineSample], Window | None]:
+    """This tick's samples of ready pods and the window since the previous scrape (per-resource memo)."""
+    now = time.monotonic()
+    if now - memo.get("scraped_at", float("-inf")) < spec.metrics.scrape_interval_seconds:
+        return {}, None
+    memo.scraped_at = now
+    ready = [p for p in pods if p.ready and p.ip]
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        results = await asyncio.gather(
+            *(_scrape(session, p.ip, spec.metrics.port) for p in ready), return_exceptions=True
+        )
+    samples: dict[str, EngineSample] = {}
+    unreachable: set[str] = set()
+    for pod, result in zip(ready, results, strict=True):
+        if isinstance(result, ScrapeError):
+            unreachable.add(pod.uid)
+            if pod.uid not in memo.get("unreachable", set()):  # say it once, not every tick
+                logger.warning(f"cannot scrape the metrics of pod {pod.name}: {result}")
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            samples[pod.uid] = result
+    memo.unreachable = unreachable
+    previous, memo.samples = memo.get("samples", {}), samples
+    return samples, window(previous, samples)
+
+
+def _condition(conditions: list[Any], type_: str) -> dict[str, Any]:
+    return next((c for c in conditions if c.get("type") == type_), {})
+
+
+@kopf.timer(*RESOURCE, interval=STATUS_TICK_SECONDS)
+async def refresh_status(
+    name: str, namespace: str, uid: str, spec: Any, status: Any, meta: Any, body: Any, memo: kopf.Memo,
+    patch: kopf.Patch, engine_pods: kopf.Index, engine_deployments: kopf.Index, logger: Any, **_: Any,
+) -> None:
+    parsed = _parse_spec(spec)
+    key = (namespace, name)
+    deployments = list(engine_deployments.get(key, []))
+    if not deployments:
+        # Deleted behind our back (or not seen yet): re-apply; a no-op when it does exist.
+        await asyncio.to_thread(apply_children, memo, Owner(name, namespace, uid), parsed, body)
+    pods = list(engine_pods.get(key, []))
+    samples, metrics_window = await _scrape_if_due(parsed, pods, memo, logger)
+    current = dict(status)
+    desired = compute_status(
+        name=name, generation=meta.get("generation", 0), spec=parsed,
+        deployment=deployments[0] if deployments else None, pods=pods, samples=samples,
+        window=metrics_window, previous=current, now=datetime.datetime.now(datetime.timezone.utc),
+    )
+    changes = status_patch(current, desired)
+    for field, value in changes.items():
+        patch.status[field] = value
+    # One Event per new failure reason, not one per tick.
+    old_smoke = _condition(current.get("conditions") or [], "SmokeTestPassed")
+    new_smoke = _condition(desired["conditions"], "SmokeTestPassed")
+    newly_failed = (old_smoke.get("status"), old_smoke.get("message")) != ("False", new_smoke["message"])
+    if new_smoke["status"] == "False" and newly_failed:
+        kopf.warn(body, reason=new_smoke["reason"], message=new_smoke["message"])

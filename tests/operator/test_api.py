@@ -1,0 +1,66 @@
+"""The pydantic models: examples parse, every cross-field rule rejects with its message."""
+
+import pathlib
+
+import pydantic
+import pytest
+import yaml
+from ddtree_operator.api import SpeculativeDeploymentSpec
+from invalid_specs import INVALID_SPECS, OUT_OF_BOUNDS_SPECS, VALID
+
+EXAMPLES = sorted((pathlib.Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+def test_there_are_the_three_examples():
+    assert [p.name for p in EXAMPLES] == ["kimi-ddtree.yaml", "qwen3-8b-ddtree.yaml", "smollm2-cpu.yaml"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid_specs(path):
+    doc = yaml.safe_load(path.read_text())
+    assert (doc["apiVersion"], doc["kind"]) == ("ddtree.dev/v1alpha1", "SpeculativeDeployment")
+    SpeculativeDeploymentSpec.model_validate(doc["spec"])
+
+
+def test_defaults():
+    spec = SpeculativeDeploymentSpec.model_validate(VALID)
+    assert spec.speculation.method == "ddtree" and spec.speculation.budget == 32
+    assert spec.speculation.block_size is None  # taken from the drafter by the engine
+    assert spec.replicas == 1 and spec.parallelism.tensor == 1 and spec.resources.gpus == 0
+    assert spec.resources.shared_memory_size == "1Gi"
+    assert spec.readiness.startup_timeout_seconds == 3600 and spec.readiness.smoke_test is True
+    assert spec.metrics.port == 8000 and spec.metrics.scrape_interval_seconds == 15
+    assert spec.metrics.pod_monitor is False
+
+
+def test_wire_names_are_camel_case():
+    spec = SpeculativeDeploymentSpec.model_validate(
+        {**VALID, "readiness": {"startupTimeoutSeconds": 120}, "resources": {"sharedMemorySize": "2Gi"}}
+    )
+    assert spec.readiness.startup_timeout_seconds == 120
+    dumped = spec.model_dump(by_alias=True)
+    assert dumped["readiness"]["startupTimeoutSeconds"] == 120 and dumped["resources"]["sharedMemorySize"] == "2Gi"
+
+
+@pytest.mark.parametrize("case", INVALID_SPECS, ids=str)
+def test_cross_field_rules_reject(case):
+    spec, message = INVALID_SPECS[case]
+    with pytest.raises(pydantic.ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeDeploymentSpec.model_validate(spec)
+
+
+@pytest.mark.parametrize("case", OUT_OF_BOUNDS_SPECS, ids=str)
+def test_bounds_reject(case):
+    spec, _ = OUT_OF_BOUNDS_SPECS[case]
+    with pytest.raises(pydantic.ValidationError):
+        SpeculativeDeploymentSpec.model_validate(spec)
+
+
+def test_unknown_fields_are_rejected():
+    with pytest.raises(pydantic.ValidationError, match="budgett"):
+        SpeculativeDeploymentSpec.model_validate({**VALID, "speculation": {"budgett": 3}})
+
+
+def test_quantities_accept_integers_and_strings():
+    spec = SpeculativeDeploymentSpec.model_validate({**VALID, "resources": {"cpu": 4, "memory": "16Gi"}})
+    assert (spec.resources.cpu, spec.resources.memory) == (4, "16Gi")

@@ -1,0 +1,198 @@
+"""Render functions: the objects a spec turns into."""
+
+import copy
+import pathlib
+
+import yaml
+from ddtree_operator.api import SpeculativeDeploymentSpec
+from ddtree_operator.render import (
+    EngineDefaults,
+    Owner,
+    engine_args,
+    labels,
+    render_children,
+    render_deployment,
+    render_service,
+    selector_labels,
+    selector_string,
+)
+from invalid_specs import VALID
+
+OWNER = Owner(name="demo", namespace="llm", uid="1f6a4a8e-0000-4000-8000-000000000001")
+DEFAULTS = EngineDefaults(image="ddtree-engine:9.9", image_pull_policy="IfNotPresent")
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+def spec(**overrides) -> SpeculativeDeploymentSpec:
+    return SpeculativeDeploymentSpec.model_validate({**VALID, **overrides})
+
+
+def example(name: str) -> SpeculativeDeploymentSpec:
+    return SpeculativeDeploymentSpec.model_validate(yaml.safe_load((EXAMPLES / name).read_text())["spec"])
+
+
+def container(deployment):
+    (engine,) = deployment["spec"]["template"]["spec"]["containers"]
+    return engine
+
+
+def test_smollm2_example_command_line():
+    engine = container(render_deployment(OWNER, example("smollm2-cpu.yaml"), DEFAULTS))
+    assert engine["command"] == ["ddtree", "serve"]
+    assert engine["args"] == [
+        "--model", "smollm2-135m-instruct", "--drafter", "smollm2-135m-instruct-dflash",
+        "--method", "ddtree", "--budget", "8", "--batch-buckets", "1,2", "--max-batch-size", "2",
+        "--served-model-name", "smollm2", "--host", "0.0.0.0", "--port", "8000",
+        "--termination-log", "/dev/termination-log",
+    ]
+    assert engine["image"] == "ddtree-engine:9.9"  # the operator's default
+    assert "nvidia.com/gpu" not in engine["resources"].get("limits", {})
+
+
+def test_kimi_example_uses_eight_gpus_with_tensor_parallelism():
+    deployment = render_deployment(OWNER, example("kimi-ddtree.yaml"), DEFAULTS)
+    engine = container(deployment)
+    args = engine["args"]
+    assert args[args.index("--tensor-parallel") + 1] == "8" and args[args.index("--budget") + 1] == "32"
+    assert engine["resources"]["limits"] == {"memory": "1000Gi", "nvidia.com/gpu": "8"}
+    pod = deployment["spec"]["template"]["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [
+        {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H200"]}]}]
+    cache = next(v for v in pod["volumes"] if v["name"] == "cache")
+    assert cache["persistentVolumeClaim"] == {"claimName": "kimi-k2-6-cache", "readOnly": False}
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in engine["env"]
+    # The startup budget of two hours is what the startup probe and the progress deadline allow.
+    probe = engine["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] == 7200
+    assert deployment["spec"]["progressDeadlineSeconds"] > 7200
+
+
+def test_method_none_runs_the_engine_autoregressively_without_drafter():
+    args = engine_args(spec(drafter=None, speculation={"method": "none"}))
+    assert args[args.index("--method") + 1] == "ar"
+    assert "--drafter" not in args
+
+
+def test_uris():
+    args = engine_args(spec(model={"uri": "hf://Qwen/Qwen3-8B", "revision": "abc123"},
+                            drafter={"uri": "z-lab/Qwen3-8B-DFlash-b16", "revision": "v2"}))
+    assert args[:8] == ["--model", "Qwen/Qwen3-8B", "--revision", "abc123",
+                        "--drafter", "z-lab/Qwen3-8B-DFlash-b16", "--drafter-revision", "v2"]
+
+
+def test_pvc_uris_are_mounted_read_only_once_per_claim():
+    s = spec(model={"uri": "pvc://weights/kimi/target"}, drafter={"uri": "pvc://weights/kimi/drafter"})
+    deployment = render_deployment(OWNER, s, DEFAULTS)
+    engine = container(deployment)
+    assert engine["args"][:4] == ["--model", "/mnt/pvc/weights/kimi/target",
+                                  "--drafter", "/mnt/pvc/weights/kimi/drafter"]
+    claims = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v
+              and v["name"].startswith("weights")]
+    assert claims == [{"name": "weights-0", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}]
+    assert {"name": "weights-0", "mountPath": "/mnt/pvc/weights", "readOnly": True} in engine["volumeMounts"]
+
+
+def test_read_only_model_cache_runs_the_hub_client_offline():
+    engine = container(render_deployment(OWNER, spec(modelCache={"claimName": "c", "readOnly": True}), DEFAULTS))
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in engine["env"]
+    assert {"name": "cache", "mountPath": "/var/cache/ddtree", "readOnly": True} in engine["volumeMounts"]
+
+
+def test_probes_and_termination_message():
+    engine = container(render_deployment(OWNER, spec(readiness={"startupTimeoutSeconds": 95}), DEFAULTS))
+    assert engine["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert engine["startupProbe"]["failureThreshold"] == 10  # ceil(95 / 10)
+    assert "initialDelaySeconds" not in engine["startupProbe"]
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"  # gated on the smoke test
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert engine["terminationMessagePath"] == "/dev/termination-log"
+    args = engine["args"]
+    assert args[args.index("--termination-log") + 1] == engine["terminationMessagePath"]
+
+
+def test_without_smoke_test_readiness_follows_health():
+    engine = container(render_deployment(OWNER, spec(readiness={"smokeTest": False}), DEFAULTS))
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_rollout_and_security():
+    deployment = render_deployment(OWNER, spec(replicas=3), DEFAULTS)
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert container(deployment)["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                        "capabilities": {"drop": ["ALL"]}}
+
+
+def test_user_affinity_gets_the_gpu_product_in_every_term():
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]},
+    ]}}}
+    s = spec(scheduling={"affinity": affinity}, resources={"gpus": 1, "gpuProduct": ["NVIDIA-H100", "NVIDIA-H200"]})
+    before = copy.deepcopy(s.model_dump())
+    terms = render_deployment(OWNER, s, DEFAULTS)["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    product = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100", "NVIDIA-H200"]}
+    assert [t["matchExpressions"][-1] for t in terms] == [product, product]
+    assert s.model_dump() == before  # rendering never mutates the spec
+
+
+def test_scheduling_passthrough():
+    toleration = {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+    s = spec(scheduling={"nodeSelector": {"pool": "llm"}, "priorityClassName": "serving", "tolerations": [toleration]})
+    pod = render_deployment(OWNER, s, DEFAULTS)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "llm"} and pod["priorityClassName"] == "serving"
+    assert pod["tolerations"] == [toleration]  # no GPU toleration without GPUs
+
+
+def test_children_are_owned_and_selected_consistently():
+    children = render_children(OWNER, spec(metrics={"podMonitor": True}), DEFAULTS)
+    assert [c["kind"] for c in children] == ["Deployment", "Service", "PodMonitor"]
+    for child in children:
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "ddtree.dev/v1alpha1", "kind": "SpeculativeDeployment", "name": "demo",
+                       "uid": OWNER.uid, "controller": True, "blockOwnerDeletion": True}
+        assert (child["metadata"]["name"], child["metadata"]["namespace"]) == ("demo", "llm")
+    deployment, service, monitor = children
+    assert deployment["spec"]["selector"]["matchLabels"] == selector_labels("demo")
+    assert selector_labels("demo").items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert service["spec"]["selector"] == selector_labels("demo")
+    assert monitor["spec"]["selector"]["matchLabels"] == selector_labels("demo")
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert selector_string("demo") == "app.kubernetes.io/name=ddtree-engine,ddtree.dev/speculativedeployment=demo"
+    assert labels("demo")["app.kubernetes.io/managed-by"] == "ddtree-operator"
+
+
+def test_no_pod_monitor_unless_asked():
+    assert [c["kind"] for c in render_children(OWNER, spec(), DEFAULTS)] == ["Deployment", "Service"]
+
+
+def test_service_and_port_follow_metrics_port():
+    s = spec(metrics={"port": 9000})
+    ports = render_service(OWNER, s)["spec"]["ports"]
+    assert ports == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
+    engine = container(render_deployment(OWNER, s, DEFAULTS))
+    assert engine["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
+    assert engine["args"][engine["args"].index("--port") + 1] == "9000"
+
+
+def test_rendering_is_deterministic():
+    s = example("qwen3-8b-ddtree.yaml")
+    assert render_children(OWNER, s, DEFAULTS) == render_children(OWNER, s, DEFAULTS)
+
+
+def test_engine_overrides():
+    s = spec(engine={"image": "registry.example/ddtree:1", "imagePullPolicy": "Always", "args": ["--seed", "1"],
+                     "env": [{"name": "X", "value": "1"}]})
+    engine = container(render_deployment(OWNER, s, DEFAULTS))
+    assert (engine["image"], engine["imagePullPolicy"]) == ("registry.example/ddtree:1", "Always")
+    assert engine["args"][-2:] == ["--seed", "1"]
+    assert {"name": "X", "value": "1"} in engine["env"]
