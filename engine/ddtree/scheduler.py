@@ -1,0 +1,373 @@
+"""Continuous batching over the slot-based Engine.
+
+One engine thread owns the Engine. Each iteration it
+  1. drops cancelled requests (a disconnected client frees its slot between rounds),
+  2. admits waiting requests into free slots, lowest slot first (eager prefill: `engine.add`),
+  3. runs one round on slots [0, n), n = highest running slot + 1 (`engine.step`),
+  4. truncates each request's tokens at stop tokens, stop strings and max_tokens, detokenizes
+     incrementally and hands the new text to the request's sink,
+  5. releases finished slots.
+Requests join and leave only between rounds. The sink is called on the engine thread; the server
+passes one that forwards to an asyncio queue with `loop.call_soon_threadsafe`, so that the event
+loop never waits on torch.
+
+Memory: the engine allocates every slot's KV cache (max_seq_len plus the tree) up front, and a
+request is only accepted when prompt + max_tokens fits its slot, so running requests can never
+need more memory. Beyond the slots there is a bounded waiting queue; a full queue is refused
+(QueueFull -> HTTP 429) instead of growing without bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .engine import SamplingParams
+
+log = logging.getLogger("ddtree.scheduler")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound."""
+
+
+class NotRunning(Exception):
+    """The scheduler is not (or no longer) accepting requests."""
+
+
+@dataclass
+class Event:
+    """What a request's sink receives: new text, and at the end the finish reason (or an error)."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" once finished
+    error: str | None = None  # set (with error_status) when the request failed
+    error_status: int = 500
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text out, never splitting a UTF-8 character across deltas.
+
+    Decodes a small window of recent tokens twice (with and without the new one) and returns the
+    difference, holding back text while it ends in U+FFFD (an incomplete multi-byte character). A
+    few prompt tokens seed the window so that tokenizers whose pieces depend on the previous token
+    (SentencePiece leading spaces) decode the first generated token correctly."""
+
+    def __init__(self, tokenizer, context: list[int] = ()):
+        self.tokenizer = tokenizer
+        ctx = list(context[-4:])
+        if ctx and self._decode(ctx).endswith("\ufffd"):
+            ctx = []
+        self.ids = ctx
+        self.prefix = 0  # window start
+        self.read = len(ctx)  # tokens up to here are already in the output
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (at the end of the request, incomplete characters included)."""
+        if self.read >= len(self.ids):
+            return ""
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before) :]
+
+
+_ids = itertools.count()
+
+
+class Request:
+    """One generation request as the scheduler sees it."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: list[str] | None,
+                 sink: Callable[[Event], None]):
+        self.id = next(_ids)
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.stop = [s for s in (stop or []) if s]
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.sink = sink
+        self.cancelled = False
+        self.arrival = time.perf_counter()
+        self.slot: int | None = None
+        self.token_ids: list[int] = []
+        self.text = ""  # complete text so far (cut at a stop string)
+        self.sent = 0  # characters of self.text already handed to the sink
+        self.finish_reason: str | None = None
+        self.last_token_at = 0.0
+        self.detok: IncrementalDetokenizer | None = None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    held = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
+class Scheduler:
+    def __init__(self, engine, tokenizer, metrics, max_waiting: int = 32):
+        self.engine = engine
+        self.tokenizer = tokenizer  # used on the engine thread only (decoding)
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, Request] = {}  # slot -> request; engine thread only
+        self._free = engine.max_batch_size  # slots not claimed by a request (guarded by _cv)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.rounds = 0
+        self.error: BaseException | None = None
+
+    # ---- any thread -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop after the current round; waiting and running requests get a 503 error event."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, req: Request) -> None:
+        with self._cv:
+            if self._stopping or self._thread is None or not self._thread.is_alive():
+                raise NotRunning("the engine is not running")
+            if len(self._waiting) >= self.max_waiting + self._free:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting for one of "
+                                f"{self.engine.max_batch_size} slots; retry later")
+            self._waiting.append(req)
+            self.metrics.requests_waiting.set(len(self._waiting))
+            self._cv.notify_all()
+
+    def cancel(self, req: Request) -> None:
+        """Abandon a request (its client went away); its slot is freed before the next round."""
+        with self._cv:
+            if req.cancelled or req.finish_reason is not None:
+                return
+            req.cancelled = True
+            try:
+                self._waiting.remove(req)
+                self.metrics.requests_waiting.set(len(self._waiting))
+            except ValueError:  # running: the engine thread releases its slot before the next round
+                self._cv.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a broken engine: fail everything, refuse new work
+            log.exception("engine thread failed")
+            self.error = exc
+            with self._cv:
+                self._stopping = True
+        finally:
+            self._fail_all(503, "the server is shutting down" if self.error is None
+                           else f"engine failure: {type(self.error).__name__}: {self.error}")
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            for req in [r for r in self._running.values() if r.cancelled]:
+                self._finish(req, None)
+            with self._cv:
+                if not (self._stopping or self._waiting or self._running):
+                    self._update_gauges()
+                while not (self._stopping or self._waiting or self._running):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                free = [s for s in range(engine.max_batch_size) if s not in self._running]
+                admits = []
+                while free and self._waiting:
+                    req = self._waiting.popleft()
+                    req.slot = free.pop(0)
+                    self._free -= 1
+                    admits.append(req)
+                self.metrics.requests_waiting.set(len(self._waiting))
+            start = time.perf_counter()
+            for req in admits:
+                if req.cancelled:
+                    self._finish(req, None)
+                else:
+                    self._admit(req.slot, req)
+            self.metrics.requests_running.set(len(self._running))
+            busy = bool(admits or self._running)
+            if self._running:
+                self._round()
+            if busy:
+                self.metrics.scheduler_iteration_seconds.observe(time.perf_counter() - start)
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        engine = self.engine
+        self.metrics.requests_running.set(len(self._running))
+        used = sum(engine.host_lengths[s] for s in self._running)
+        self.metrics.kv_cache_usage_ratio.set(used / (engine.max_batch_size * engine.max_seq_len))
+
+    def _admit(self, slot: int, req: Request) -> None:
+        t0 = time.perf_counter()
+        try:
+            first = self.engine.add(slot, req.prompt_ids, req.params)
+        except ValueError as exc:  # validated by the server already; kept as a safety net
+            self.engine.release(slot)
+            self._error(req, 400, str(exc))
+            return
+        except RuntimeError as exc:  # out of memory during the prefill, and friends: refuse, keep serving
+            self.engine.release(slot)
+            log.warning("prefill failed: %s", exc)
+            self._error(req, 503, f"prefill failed: {type(exc).__name__}: {exc}")
+            _empty_cache(self.engine)
+            return
+        now = time.perf_counter()
+        self.metrics.prefill_seconds.observe(now - t0)
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        self.metrics.time_to_first_token.observe(now - req.arrival)
+        req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+        self._running[slot] = req
+        self._deliver(req, [first], now, first=True)
+
+    def _round(self) -> None:
+        engine, m = self.engine, self.metrics
+        n = max(self._running) + 1
+        t0 = time.perf_counter()
+        try:
+            out = engine.step(n)
+        except RuntimeError as exc:  # the round's state is unusable: fail its requests, keep serving
+            log.exception("engine round failed")
+            for req in list(self._running.values()):
+                self._error(req, 500, f"engine round failed: {type(exc).__name__}: {exc}")
+            _empty_cache(engine)
+            return
+        now = time.perf_counter()
+        self.rounds += 1
+        m.engine_step_seconds.observe(now - t0)
+        k = len(self._running)
+        m.num_drafts.inc(k)
+        m.num_draft_tokens.inc(k * (engine.tree_size - 1))
+        accepted = 0
+        for slot, req in list(self._running.items()):
+            toks = out[slot]
+            accepted += max(0, len(toks) - 1)
+            m.acceptance_length.observe(len(toks))
+            self._deliver(req, toks, now)
+        m.num_accepted_tokens.inc(accepted)
+
+    def _append_text(self, req: Request, piece: str) -> bool:
+        """Add decoded text; True when a stop string completed (the text is then cut before it)."""
+        if not piece:
+            return False
+        start = max(0, len(req.text) - req.max_stop + 1)
+        req.text += piece
+        if not req.stop:
+            return False
+        hits = [i for i in (req.text.find(s, start) for s in req.stop) if i >= 0]
+        if hits:
+            req.text = req.text[: min(hits)]
+            return True
+        return False
+
+    def _deliver(self, req: Request, toks: list[int], now: float, first: bool = False) -> None:
+        before = len(req.token_ids)
+        finish, by_string = None, False
+        for t in toks[: req.params.max_new_tokens - before]:
+            req.token_ids.append(t)
+            if t in req.stop_token_ids:  # counted as a completion token, never detokenized
+                finish = "stop"
+                break
+            if self._append_text(req, req.detok.push(t)):
+                finish, by_string = "stop", True
+                break
+        if finish is None and len(req.token_ids) >= req.params.max_new_tokens:
+            finish = "length"
+        if finish is not None and not by_string and self._append_text(req, req.detok.flush()):
+            finish = "stop"
+        new = len(req.token_ids) - before
+        m = self.metrics
+        m.generation_tokens.inc(new)
+        if not first and new:
+            gap = (now - req.last_token_at) / new
+            for _ in range(new):
+                m.inter_token_latency.observe(gap)
+        req.last_token_at = now
+        upto = len(req.text) if finish else len(req.text) - _held_back(req.text, req.stop)
+        delta = req.text[req.sent : upto] if upto > req.sent else ""
+        req.sent = max(req.sent, upto)
+        if finish:
+            m.request_latency.observe(now - req.arrival)
+            self._finish(req, finish)
+            req.sink(Event(delta, len(req.token_ids), finish))
+        elif delta:
+            req.sink(Event(delta, len(req.token_ids)))
+
+    def _finish(self, req: Request, reason: str | None) -> None:
+        req.finish_reason = reason or "cancelled"
+        slot, req.slot = req.slot, None
+        if slot is None:
+            return
+        if self._running.get(slot) is req:
+            self.engine.release(slot)
+            del self._running[slot]
+        with self._cv:
+            self._free += 1
+
+    def _error(self, req: Request, status: int, message: str) -> None:
+        self._finish(req, None)
+        req.sink(Event("", len(req.token_ids), None, error=message, error_status=status))
+
+    def _fail_all(self, status: int, message: str) -> None:
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), deque()
+        for req in list(self._running.values()) + waiting:
+            if not req.cancelled:
+                self._error(req, status, message)
+            else:
+                self._finish(req, None)
+        self.metrics.requests_running.set(0)
+        self.metrics.requests_waiting.set(0)
+
+
+def _empty_cache(engine) -> None:
+    try:
+        import torch
+
+        if getattr(getattr(engine, "device", None), "type", None) == "cuda":
+            torch.cuda.empty_cache()
+    except RuntimeError as exc:  # best effort
+        log.debug("empty_cache failed: %s", exc)
