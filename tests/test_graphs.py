@@ -4,7 +4,7 @@ GPU tests are skipped on CPU; the shape checks and the smoke logic run everywher
 import pytest
 import torch
 
-from conftest import random_target
+from tiny_models import random_target
 from ddtree.drafter import DrafterConfig, init_drafter
 from ddtree.engine import Engine, SamplingParams
 from ddtree.graphs import GraphShapeError, RoundGraphs

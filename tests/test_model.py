@@ -72,7 +72,7 @@ def test_unsupported_architecture_is_refused():
 
 def test_fused_projections_equal_separate_ones():
     """fuse() shares storage with the HF-named parameters and computes the same logits."""
-    from conftest import random_target
+    from tiny_models import random_target
 
     m = random_target(seed=4)
     m.setup_caches(max_batch=1, max_slots=16)
@@ -88,3 +88,16 @@ def test_fused_projections_equal_separate_ones():
     attn = m.model.layers[0].self_attn
     assert attn.q_proj.weight.data_ptr() == attn.wqkv.data_ptr(), "views, not copies"
     assert all(torch.equal(v, m.state_dict()[k]) for k, v in state.items())
+
+
+def test_moving_a_fused_model_drops_the_stale_fused_weights():
+    from tiny_models import random_target
+
+    m = random_target(seed=5)
+    m.fuse()
+    m.to(torch.float64)
+    assert m.model.layers[0].self_attn.wqkv is None and m.model.layers[0].mlp.w_gate_up is None
+    m.setup_caches(max_batch=1, max_slots=8)
+    j = torch.arange(4)
+    logits, _ = m(torch.arange(4)[None], j[None], j[None], (j[:, None] >= j[None, :])[None, None])
+    assert logits.dtype == torch.float64

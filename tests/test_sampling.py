@@ -5,7 +5,7 @@ import collections
 import pytest
 import torch
 
-from conftest import random_target
+from tiny_models import random_target
 from ddtree.drafter import DrafterConfig, init_drafter
 from ddtree.engine import Engine, SamplingParams
 

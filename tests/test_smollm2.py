@@ -50,3 +50,26 @@ def test_greedy_equals_ar(setup, method, budget):
     assert [r.token_ids for r in batched] == [r.token_ids for r in ref[:3]]
     single = eng.generate(prompts[3:], sp)[0]  # batch of 1 (the chat prompt, ends at EOS)
     assert single.token_ids == ref[3].token_ids
+
+
+def test_shipped_drafter_is_lossless_and_accepts_drafts(smollm2):
+    """The built-in drafter (trained on the H200, see its README.md) loads by id, decodes losslessly,
+    and accepts drafts. Its acceptance is far below the issue's target (dflash > 2): see docs/benchmarks.md."""
+    from ddtree.drafter import load_drafter
+    from ddtree.loading import resolve_model
+
+    model, tok, _ = smollm2
+    drafter = load_drafter(resolve_model("smollm2-135m-instruct-dflash"), model.config, dtype=torch.float32)
+    code = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Stack:\n    \"\"\"A simple stack.\"\"\"\n\n    def __init__(self):\n",
+            "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"]
+    prompts = [tok.encode(t) for t in code]
+    sp = SamplingParams(max_new_tokens=48, stop_token_ids=(tok.eos_token_id,))
+    ref = Engine(model, None, "ar", max_batch_size=3, max_seq_len=160).generate(prompts, sp)
+    acc = {}
+    for method, budget in (("dflash", None), ("ddtree", 32)):
+        res = Engine(model, drafter, method, budget, max_batch_size=3, max_seq_len=160).generate(prompts, sp)
+        assert [r.token_ids for r in res] == [r.token_ids for r in ref]
+        acc[method] = sum(sum(r.accepted_per_round) for r in res) / sum(r.rounds for r in res)
+    print("acceptance", acc)
+    assert acc["dflash"] > 1.1, acc  # a random-init drafter stays at ~1.0
+    assert acc["ddtree"] > acc["dflash"], acc

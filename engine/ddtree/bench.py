@@ -140,7 +140,9 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
     max_seq = max(len(p) for p in prompts) + (rounds + 16) * block + 64
     engine = Engine(target, drafter, method, budget, max_batch_size=batch, max_seq_len=max_seq)
     row = {"method": method, "budget": engine.budget, "batch": batch, "graphs": graphs, "tree_size": engine.tree_size}
-    torch.cuda.reset_peak_memory_stats()
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     if graphs:
         row["capture_seconds"] = round(engine.capture_graphs([batch], [engine.max_slots]), 3)
     params = SamplingParams(max_new_tokens=max_seq - max(len(p) for p in prompts))
@@ -148,7 +150,7 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
         engine.add(i, prompts[i % len(prompts)], params)
     for _ in range(2):  # warm-up
         engine.step(batch)
-    if profile_phases and not graphs:
+    if profile_phases and cuda and not graphs:
         engine.phase_events = []
         engine.step(batch)
         torch.cuda.synchronize()
@@ -158,25 +160,25 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
             name: round(start.elapsed_time(end), 3)
             for (_, start), (name, end) in zip(marks, marks[1:])
         }
-    torch.cuda.synchronize()
     start = time.perf_counter()
     emitted = 0
     for _ in range(rounds):
-        emitted += sum(len(t) for t in engine.step(batch))
-    torch.cuda.synchronize()
+        emitted += sum(len(t) for t in engine.step(batch))  # each step ends with the host readout: synced
     seconds = time.perf_counter() - start
     row.update(
         ms_per_round=round(seconds / rounds * 1000, 3),
         acceptance_length=round(emitted / (rounds * batch), 3),
         tokens_per_second=round(emitted / seconds, 1),
-        peak_memory_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2),
     )
+    if cuda:
+        row["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if graphs:
         row["host_syncs_per_round"] = count_host_syncs(engine, batch)
         row["eager_fallbacks"] = engine.graphs.fallbacks
     del engine
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return row
 
 
@@ -246,7 +248,8 @@ def markdown(rows: list[dict], title: str) -> str:
 
 
 def run_bench(args, target, drafter, prompts, label: str) -> dict:
-    results = {"label": label, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    device = torch.cuda.get_device_name() if target.lm_head.weight.is_cuda else f"cpu ({torch.get_num_threads()} threads)"
+    results = {"label": label, "device": device, "torch": torch.__version__, "rows": []}
     if args.micro:
         results["micro"] = micro(target, args.ctx)
         print(json.dumps({"micro": results["micro"]}), flush=True)

@@ -31,22 +31,22 @@ def _device_and_dtype(device: str | None, dtype: str | None):
     return device, names[dtype]
 
 
-def load_target(ref: str, device: str, dtype):
+def load_target(ref: str, device: str, dtype, revision: str | None = None):
     """(model, tokenizer) for a built-in id, local folder, .gguf file or hub id."""
     from transformers import AutoTokenizer
 
     from .loading import resolve_model
     from .model import Transformer
 
-    folder = resolve_model(ref)
+    folder = resolve_model(ref, revision)
     return Transformer.from_pretrained(folder, dtype=dtype, device=device), AutoTokenizer.from_pretrained(folder)
 
 
-def load_drafter_ref(ref: str, target, device: str, dtype):
+def load_drafter_ref(ref: str, target, device: str, dtype, revision: str | None = None):
     from .drafter import load_drafter
     from .loading import resolve_model
 
-    return load_drafter(resolve_model(ref), target.config, dtype=dtype, device=device)
+    return load_drafter(resolve_model(ref, revision), target.config, dtype=dtype, device=device)
 
 
 def stop_ids(tokenizer, target) -> tuple[int, ...]:
@@ -65,8 +65,7 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
-    if args.method != "ar" and not args.drafter:
-        raise UsageError(f"--method {args.method} needs --drafter (or use --method ar)")
+    default_drafter(args)
     device, dtype = _device_and_dtype(args.device, args.dtype)
     target, tokenizer = load_target(args.model, device, dtype)
     drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.method != "ar" else None
@@ -103,6 +102,16 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def default_drafter(args) -> None:
+    """Fill --drafter for a built-in target that ships one; otherwise a drafter method needs it."""
+    from .loading import DEFAULT_DRAFTERS
+
+    if args.method != "ar" and not args.drafter:
+        args.drafter = DEFAULT_DRAFTERS.get(args.model)
+        if args.drafter is None:
+            raise UsageError(f"--method {args.method} needs --drafter (or use --method ar)")
+
+
 def parse_int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -119,8 +128,7 @@ def build_engine(args, max_batch_size: int):
 
     if args.budget is not None and args.budget < 0:
         raise UsageError(f"--budget must be >= 0, got {args.budget}")
-    if args.method != "ar" and not args.drafter:
-        raise UsageError(f"--method {args.method} needs --drafter (or use --method ar)")
+    default_drafter(args)
     device, dtype = _device_and_dtype(args.device, args.dtype)
     target, tokenizer = load_target(args.model, device, dtype)
     drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.method != "ar" else None
@@ -163,8 +171,9 @@ def cmd_bench(args) -> int:
 
     from .bench import random_drafter, random_model, run_bench
 
-    if not torch.cuda.is_available():
-        raise UsageError("ddtree bench measures GPU performance and needs a CUDA device")
+    device, dtype = _device_and_dtype(args.device, args.dtype)
+    if device == "cpu" and (args.graphs != "off" or args.micro or args.capture_all or args.hf_baseline):
+        raise UsageError("on CPU, bench runs only with --graphs off and without --micro/--capture-all/--hf-baseline")
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = set(args.methods) - {"ar", "dflash", "ddtree"}
     if unknown:
@@ -172,14 +181,13 @@ def cmd_bench(args) -> int:
     args.budgets = parse_int_list(args.budgets, "--budgets")
     args.batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
     args.graph_modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs]
-    dtype = torch.bfloat16
     if args.model.startswith("random:"):
-        target = random_model(args.model.split(":", 1)[1], "cuda", dtype)
+        target = random_model(args.model.split(":", 1)[1], device, dtype)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, target.config.vocab_size, (args.ctx,), generator=g).tolist() for _ in range(4)]
         label = f"{args.model} (random weights: acceptance is meaningless, cost only)"
     else:
-        target, tokenizer = load_target(args.model, "cuda", dtype)
+        target, tokenizer = load_target(args.model, device, dtype)
         prompts = []
         for text in BENCH_PROMPTS:
             if text.startswith(("def ", "class ", "import ")):
@@ -193,7 +201,7 @@ def cmd_bench(args) -> int:
     if args.drafter and args.drafter.startswith("random:"):
         drafter = random_drafter(target, int(args.drafter.split(":", 1)[1]), 16)
     elif args.drafter:
-        drafter = load_drafter_ref(args.drafter, target, "cuda", dtype)
+        drafter = load_drafter_ref(args.drafter, target, device, dtype)
     run_bench(args, target, drafter, prompts, label)
     return 0
 
@@ -262,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--fault", choices=["corrupt-graph-input"], help=argparse.SUPPRESS)
     sm.set_defaults(func=cmd_smoke)
 
-    b = sub.add_parser("bench", help="benchmark ar / dflash / ddtree with and without CUDA graphs (GPU)")
+    b = sub.add_parser("bench", help="benchmark ar / dflash / ddtree with and without CUDA graphs")
     b.add_argument("--model", required=True, help="model id, or random:qwen3-8b for random weights of that shape")
     b.add_argument("--drafter", help="drafter id, or random:LAYERS for a random-init drafter")
     b.add_argument("--methods", default="ar,dflash,ddtree")
@@ -274,8 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--micro", action="store_true", help="also time single target forwards vs the HBM bound")
     b.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
     b.add_argument("--capture-all", action="store_true", help="also time capturing every batch/span bucket")
+    b.add_argument("--device", help="cuda (default when available) or cpu (acceptance and eager speed only)")
+    b.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
     b.add_argument("--out", help="folder for bench.json and bench.md")
     b.set_defaults(func=cmd_bench)
+
+    from . import server, train
+
+    server.register(sub)
+    train.register(sub)
 
     d = sub.add_parser("init-drafter", help="write a randomly initialised DFlash drafter for a target")
     d.add_argument("--target", required=True)
@@ -304,4 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the package's module, not this __main__ copy, so that UsageError is one class everywhere
+    from ddtree.cli import main as package_main
+
+    sys.exit(package_main())

@@ -56,6 +56,13 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     ),
 }
 
+# Drafters shipped inside the package (trained by `ddtree train-drafter`; see their README.md).
+BUILTIN_DRAFTERS: dict[str, pathlib.Path] = {
+    "smollm2-135m-instruct-dflash": pathlib.Path(__file__).parent / "drafters" / "smollm2-135m-instruct-dflash",
+}
+# The drafter `generate`/`serve` use for a built-in target when --drafter is not given.
+DEFAULT_DRAFTERS = {"smollm2-135m-instruct": "smollm2-135m-instruct-dflash"}
+
 # What a hub snapshot needs: weights, configs, tokenizer.  Skips .bin/.pt/.gguf duplicates and media.
 HUB_PATTERNS = [
     "config.json",
@@ -85,13 +92,15 @@ def resolve_model(ref: str, revision: str | None = None, progress: bool = True) 
         return out if _converted(out) else convert_gguf(path, out, progress)
     if ref in BUILTIN_MODELS:
         return _resolve_builtin(ref, progress)
+    if ref in BUILTIN_DRAFTERS:
+        return BUILTIN_DRAFTERS[ref]
     if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", ref):
         return _resolve_hub(ref, revision)
     raise ModelNotFoundError(_not_found(ref))
 
 
 def _not_found(ref: str, reason: str = "") -> str:
-    ids = ", ".join(BUILTIN_MODELS)
+    ids = ", ".join([*BUILTIN_MODELS, *BUILTIN_DRAFTERS])
     msg = f"model not found: '{ref}' is not a local path, a built-in id ({ids}) or a reachable hub id"
     return f"{msg} ({_one_line(reason)})" if reason else msg
 

@@ -116,7 +116,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel on CUDA
+        # one fused kernel on CUDA; it needs the weight in the input's dtype (fp32 weights under autocast)
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
 class KVCache(nn.Module):
@@ -272,6 +273,12 @@ class Transformer(nn.Module):
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
         self.max_batch = self.max_slots = 0
+
+    def _apply(self, fn, recurse=True):
+        # moving or casting re-creates the parameters: drop the fused views (the next Engine fuses again)
+        for layer in self.model.layers:
+            layer.self_attn.wqkv = layer.self_attn.bqkv = layer.mlp.w_gate_up = None
+        return super()._apply(fn, recurse)
 
     def fuse(self) -> None:
         """Fused q/k/v and gate/up GEMMs for inference (fewer, larger kernels); weights are shared."""
