@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 
-from .cli import UsageError, _Parser
+from .cli import UsageError
 
 log = logging.getLogger("ddtree.server")
 
@@ -562,13 +562,9 @@ async def _serve(server: EngineServer) -> int:
 
 
 def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{flag} takes comma-separated integers, got '{text}'") from None
-    if not values or min(values) < 1:
-        raise UsageError(f"{flag} needs positive integers, got '{text}'")
-    return sorted(set(values))
+    from .cli import parse_int_list
+
+    return sorted(set(parse_int_list(text, flag)))
 
 
 def serve_config(args) -> argparse.Namespace:
@@ -844,20 +840,10 @@ def _bench_line(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ddtree.server serve ...` (until `ddtree` itself registers these subcommands)."""
-    from .drafter import DrafterMismatchError
-    from .loading import ModelNotFoundError
+    """`python -m ddtree.server serve ...`: the same as `ddtree serve ...`."""
+    from ddtree.cli import main as cli_main
 
-    parser = _Parser(prog="ddtree", description="DDTree engine server")
-    register(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
-    try:
-        args = parser.parse_args(argv)
-        return args.func(args)
-    except (UsageError, ModelNotFoundError, DrafterMismatchError, ValueError) as exc:
-        print(f"ddtree: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
