@@ -69,3 +69,16 @@ def test_smoke_passes_and_a_corrupted_input_fails_with_termination_log(tmp_path,
     report = json.loads(bad.stdout.strip().splitlines()[-1])
     assert not report["passed"] and report["mismatches"]
     assert (tmp_path / "termination-log").read_text().startswith("smoke test failed")
+
+
+def test_generate_tensor_parallel_matches_and_a_bad_split_is_refused(smollm2):
+    out = {}
+    for tp in ("1", "3"):
+        r = run_cli("generate", "--model", "smollm2-135m-instruct", "--method", "ddtree", "--budget", "8",
+                    "--max-new-tokens", "8", "--prompt", "The capital of France is", "--json", "--tensor-parallel", tp)
+        assert r.returncode == 0, r.stderr
+        out[tp] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["3"]["token_ids"] == out["1"]["token_ids"] and out["3"]["tensor_parallel"] == 3
+    r = run_cli("generate", "--model", "smollm2-135m-instruct", "--method", "ar", "--prompt", "x", "--tensor-parallel", "2")
+    assert r.returncode == 2 and "tensor parallel 2 does not divide the model: 9 attention heads" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -57,7 +57,7 @@ def stop_ids(tokenizer, target) -> tuple[int, ...]:
 
 
 def cmd_generate(args) -> int:
-    from .engine import Engine, SamplingParams
+    import os
 
     if args.budget is not None and args.budget < 0:
         raise UsageError(f"--budget must be >= 0, got {args.budget}")
@@ -65,10 +65,43 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.tensor_parallel < 1:
+        raise UsageError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     default_drafter(args)
+    device, _ = _device_and_dtype(args.device, args.dtype)
+    if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
+        from .parallel import init_from_env
+
+        rank, world = init_from_env(device.split(":")[0])
+        out = generate_on_rank(rank, world, args)
+    elif args.tensor_parallel > 1:  # start the ranks ourselves, once the split is known to fit
+        from .loading import load_config, resolve_model
+        from .model import ModelConfig
+        from .parallel import check_divisible, launch
+
+        check_divisible(ModelConfig.from_hf(load_config(resolve_model(args.model))), args.tensor_parallel)
+
+        rank, out = 0, launch(args.tensor_parallel, generate_on_rank, args, device_type=device.split(":")[0])
+    else:
+        rank, out = 0, generate_on_rank(0, 1, args)
+    if rank == 0:
+        print(json.dumps(out) if args.json else out["text"])
+    return 0
+
+
+def generate_on_rank(rank: int, world: int, args) -> dict:
+    """Load, split over `world` ranks when > 1, and generate; every rank computes the same tokens."""
+    from .engine import Engine, SamplingParams
+
     device, dtype = _device_and_dtype(args.device, args.dtype)
+    if world > 1 and device == "cuda":
+        device = f"cuda:{rank}"
     target, tokenizer = load_target(args.model, device, dtype)
     drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.method != "ar" else None
+    if world > 1:
+        from .parallel import shard
+
+        shard(target, rank, world)
     if args.chat:
         prompt_ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
@@ -84,22 +117,18 @@ def cmd_generate(args) -> int:
         stop_token_ids=stop_ids(tokenizer, target),
     )
     (res,) = engine.generate([list(prompt_ids)], params)
-    text = tokenizer.decode(res.token_ids, skip_special_tokens=True)
-    if args.json:
-        print(json.dumps({
-            "text": text,
-            "token_ids": res.token_ids,
-            "acceptance_length": round(res.acceptance_length, 4),
-            "tokens_per_second": round(res.tokens_per_second, 3),
-            "steps": res.rounds,
-            "finish_reason": res.finish_reason,
-            "prompt_tokens": res.prompt_tokens,
-            "method": args.method,
-            "budget": engine.budget,
-        }))
-    else:
-        print(text)
-    return 0
+    return {
+        "text": tokenizer.decode(res.token_ids, skip_special_tokens=True),
+        "token_ids": res.token_ids,
+        "acceptance_length": round(res.acceptance_length, 4),
+        "tokens_per_second": round(res.tokens_per_second, 3),
+        "steps": res.rounds,
+        "finish_reason": res.finish_reason,
+        "prompt_tokens": res.prompt_tokens,
+        "method": args.method,
+        "budget": engine.budget,
+        "tensor_parallel": world,
+    }
 
 
 def default_drafter(args) -> None:
@@ -258,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--tensor-parallel", type=int, default=1,
+                   help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too")
     g.set_defaults(func=cmd_generate)
 
     sm = sub.add_parser("smoke", help="capture graphs and compare them with eager execution (readiness gate)")

@@ -148,7 +148,7 @@ class Engine:
         self.host_lengths[slot] = n
         self.host_sampling[slot] = params.temperature > 0
         self.host_active[slot] = True
-        logits = self.target.lm_head(hidden[:, -1:])
+        logits = self.target.logits(hidden[:, -1:])
         first = decide(logits, self.temperature[slot : slot + 1], self.top_p[slot : slot + 1], self.generator,
                        self.host_sampling[slot])[0, 0]
         self.bonus[slot] = first
@@ -184,7 +184,7 @@ class Engine:
             self.target.embed(block_tokens), block_pos, block_pos, mask.expand(n, 1, block, span),
             self.ctx_features[:n], ctx_pos.clamp(min=0), ctx_slots,
         )
-        return self.target.lm_head(hidden[:, 1 : 1 + self.max_depth])
+        return self.target.logits(hidden[:, 1 : 1 + self.max_depth])
 
     def build_tree(self, n: int, span: int) -> Tree:
         if self.drafter is None:

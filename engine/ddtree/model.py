@@ -177,6 +177,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.kv_cache: KVCache | None = None
+        self.tp = None  # parallel.TensorParallel once sharded: o_proj outputs are partial sums
         self.wqkv: Tensor | None = None  # fused projection, see fuse()
         self.bqkv: Tensor | None = None
 
@@ -205,7 +206,8 @@ class Attention(nn.Module):
         self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
         k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
+        out = self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
+        return self.tp.all_reduce(out) if self.tp else out
 
 
 def _concat_views(params: list[nn.Parameter]) -> Tensor:
@@ -226,6 +228,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.w_gate_up: Tensor | None = None
+        self.tp = None  # parallel.TensorParallel once sharded: down_proj outputs are partial sums
 
     def fuse(self) -> None:
         self.w_gate_up = _concat_views([self.gate_proj.weight, self.up_proj.weight])
@@ -235,7 +238,8 @@ class MLP(nn.Module):
             gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(out) if self.tp else out
 
 
 class DecoderLayer(nn.Module):
@@ -273,12 +277,16 @@ class Transformer(nn.Module):
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
         self.max_batch = self.max_slots = 0
+        self.tp = None  # parallel.TensorParallel once sharded
 
     def _apply(self, fn, recurse=True):
         # moving or casting re-creates the parameters: drop the fused views (the next Engine fuses again)
+        self.fuse_off()
+        return super()._apply(fn, recurse)
+
+    def fuse_off(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.wqkv = layer.self_attn.bqkv = layer.mlp.w_gate_up = None
-        return super()._apply(fn, recurse)
 
     def fuse(self) -> None:
         """Fused q/k/v and gate/up GEMMs for inference (fewer, larger kernels); weights are shared."""
@@ -291,8 +299,9 @@ class Transformer(nn.Module):
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
         self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(p.device)
         for layer in self.model.layers:
+            # this rank's KV heads (all of them without tensor parallelism)
             layer.self_attn.kv_cache = KVCache(
-                max_batch, self.config.num_key_value_heads, max_slots, self.config.head_dim, p.dtype, p.device
+                max_batch, layer.self_attn.n_kv, max_slots, self.config.head_dim, p.dtype, p.device
             )
         self.max_batch, self.max_slots = max_batch, max_slots
 
@@ -301,7 +310,18 @@ class Transformer(nn.Module):
         return self.max_slots
 
     def embed(self, tokens: Tensor) -> Tensor:
-        return self.model.embed_tokens(tokens)
+        if self.tp is None:
+            return self.model.embed_tokens(tokens)
+        # vocabulary-parallel: each rank looks up the ids in its slice, the all-reduce fills in the rest
+        local = self.model.embed_tokens.weight.shape[0]
+        ids = tokens - self.tp.rank * local
+        mine = (ids >= 0) & (ids < local)
+        x = self.model.embed_tokens(ids.clamp(0, local - 1)) * mine[..., None].to(self.lm_head.weight.dtype)
+        return self.tp.all_reduce(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        out = self.lm_head(hidden)
+        return self.tp.all_gather_last(out) if self.tp else out
 
     def forward(
         self,
@@ -320,7 +340,7 @@ class Transformer(nn.Module):
         where tap l is the output of decoder layer l (0-based).
         """
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype)
-        x = self.model.embed_tokens(tokens)
+        x = self.embed(tokens)
         taps = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, slots, mask, rows)
@@ -328,7 +348,7 @@ class Transformer(nn.Module):
                 taps[i] = x
         h = self.model.norm(x)
         tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
-        return (self.lm_head(h) if logits else h), tapped
+        return (self.logits(h) if logits else h), tapped
 
     @classmethod
     def from_pretrained(cls, folder, dtype: torch.dtype = torch.float32, device="cpu") -> "Transformer":
