@@ -180,6 +180,7 @@ class Attention(nn.Module):
         self.tp = None  # parallel.TensorParallel once sharded: o_proj outputs are partial sums
         self.wqkv: Tensor | None = None  # fused projection, see fuse()
         self.bqkv: Tensor | None = None
+        self.kernels = False  # Triton norm + RoPE + KV write (kernels.py), see Transformer.fuse()
 
     def fuse(self) -> None:
         """One GEMM for q, k and v: the three weights become views into one concatenated tensor, so
@@ -199,11 +200,19 @@ class Attention(nn.Module):
         q = q.view(bs, T, self.n_heads, self.head_dim)
         k = k.view(bs, T, self.n_kv, self.head_dim)
         v = v.view(bs, T, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
+        if self.kernels:  # one kernel for what follows in the else branch (KVCache.update's layout)
+            from .kernels import qk_norm_rope_kv
+
+            norm = self.q_norm is not None
+            q = qk_norm_rope_kv(q, k, v, cos, sin, self.q_norm.weight if norm else None,
+                                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                                self.kv_cache.k, self.kv_cache.v, rows, slots)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = apply_rope(q.transpose(1, 2), cos, sin)
+            k = apply_rope(k.transpose(1, 2), cos, sin)
+            self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
         k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         out = self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
@@ -228,17 +237,23 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.w_gate_up: Tensor | None = None
+        self.kernels = False  # Triton silu_mul on the fused gate/up output, see Transformer.fuse()
         self.tp = None  # parallel.TensorParallel once sharded: down_proj outputs are partial sums
 
     def fuse(self) -> None:
         self.w_gate_up = _concat_views([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.w_gate_up is not None:
-            gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+        if self.w_gate_up is not None and self.kernels:
+            from .kernels import silu_mul
+
+            out = self.down_proj(silu_mul(F.linear(x, self.w_gate_up)))
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        out = self.down_proj(F.silu(gate) * up)
+            if self.w_gate_up is not None:
+                gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            out = self.down_proj(F.silu(gate) * up)
         return self.tp.all_reduce(out) if self.tp else out
 
 
@@ -253,6 +268,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, rows: Tensor | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x: Tensor, h: Tensor, next_norm: RMSNorm, cos: Tensor, sin: Tensor, slots: Tensor,
+                      mask: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The Triton path: each residual add is fused with the RMSNorm that follows it (this layer's
+        post-attention norm, then the next layer's input norm or the final norm), so the layer takes
+        the residual x and its normed h and returns the pair for the next one. Attention and MLP outputs
+        arrive already all-reduced under tensor parallelism, before the add, as in forward()."""
+        from .kernels import add_rms_norm
+
+        post = self.post_attention_layernorm
+        h, x = add_rms_norm(self.self_attn(h, cos, sin, slots, mask, rows), x, post.weight, post.eps)
+        h, x = add_rms_norm(self.mlp(h), x, next_norm.weight, next_norm.eps)
+        return x, h
 
 
 class Decoder(nn.Module):
@@ -278,6 +306,7 @@ class Transformer(nn.Module):
         )
         self.max_batch = self.max_slots = 0
         self.tp = None  # parallel.TensorParallel once sharded
+        self.kernels = False  # Triton kernels in the forward, see fuse()
 
     def _apply(self, fn, recurse=True):
         # moving or casting re-creates the parameters: drop the fused views (the next Engine fuses again)
@@ -285,14 +314,27 @@ class Transformer(nn.Module):
         return super()._apply(fn, recurse)
 
     def fuse_off(self) -> None:
+        self.kernels = False
         for layer in self.model.layers:
             layer.self_attn.wqkv = layer.self_attn.bqkv = layer.mlp.w_gate_up = None
+            layer.self_attn.kernels = layer.mlp.kernels = False
 
-    def fuse(self) -> None:
-        """Fused q/k/v and gate/up GEMMs for inference (fewer, larger kernels); weights are shared."""
+    def fuse(self, kernels: bool = False) -> None:
+        """Fused q/k/v and gate/up GEMMs for inference (fewer, larger kernels); weights are shared.
+        kernels=True also swaps the element-wise work between the GEMMs for the Triton kernels of
+        kernels.py (CUDA, or CPU under TRITON_INTERPRET=1); calling fuse again only toggles that."""
+        if kernels:
+            from .kernels import available
+
+            if not available(self.lm_head.weight.device):
+                raise RuntimeError(f"Triton kernels need triton and a CUDA device (model is on "
+                                   f"{self.lm_head.weight.device}; on CPU only under TRITON_INTERPRET=1)")
+        self.kernels = kernels
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            if layer.self_attn.wqkv is None:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+            layer.self_attn.kernels = layer.mlp.kernels = kernels
 
     def setup_caches(self, max_batch: int, max_slots: int) -> None:
         p = self.lm_head.weight
@@ -342,11 +384,20 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype)
         x = self.embed(tokens)
         taps = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, slots, mask, rows)
-            if i in tap_layers:
-                taps[i] = x
-        h = self.model.norm(x)
+        layers = self.model.layers
+        if self.kernels and len(layers):
+            h = layers[0].input_layernorm(x)
+            for i, layer in enumerate(layers):
+                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+                x, h = layer.forward_fused(x, h, next_norm, cos, sin, slots, mask, rows)
+                if i in tap_layers:
+                    taps[i] = x
+        else:
+            for i, layer in enumerate(layers):
+                x = layer(x, cos, sin, slots, mask, rows)
+                if i in tap_layers:
+                    taps[i] = x
+            h = self.model.norm(x)
         tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         return (self.logits(h) if logits else h), tapped
 

@@ -1,0 +1,314 @@
+"""The Triton kernels (ddtree.kernels) equal the PyTorch reference path of model.py.
+
+On CPU they run under the Triton interpreter, which must be switched on (TRITON_INTERPRET=1) before
+triton is imported: test_kernels_under_the_triton_interpreter reruns this file in a subprocess with
+it set, and the checks marked `interp` only run there. The same checks run compiled on a GPU (`gpu`).
+Note the interpreter rounds fp32 -> bf16 toward zero where compiled Triton rounds to nearest, so the
+bf16 tolerances allow a unit in the last place either way.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddtree.model import KVCache, ModelConfig, Transformer, apply_rope
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess of "
+                                                    "test_kernels_under_the_triton_interpreter")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the launcher")
+def test_kernels_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu", __file__],
+        env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---- checks, parametrised by device --------------------------------------------------------------
+
+
+def check_qk_norm_rope_kv(device, dtype, rows_given, norm, T, heads, kv_heads, head_dim):
+    from ddtree.kernels import qk_norm_rope_kv
+
+    g = torch.Generator().manual_seed(T * 100 + heads * 10 + head_dim)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    bs, max_batch, max_slots = 2, 3, 12
+    # q, k, v as views of one fused projection output, as Attention.forward makes them
+    qkv = rnd(bs, T, (heads + 2 * kv_heads) * head_dim)
+    q, k, v = qkv.view(bs, T, -1, head_dim).split([heads, kv_heads, kv_heads], dim=2)
+    angles = torch.rand(bs, T, head_dim // 2, generator=g) * 50
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    qw, kw = (rnd(head_dim), rnd(head_dim)) if norm else (None, None)
+    rows = torch.tensor([2, 1, 0], device=device)[::2] if rows_given else None  # [2, 0], strided
+    # distinct slots per sequence (duplicates would make the reference's index_put order-dependent)
+    slots = torch.stack([torch.randperm(max_slots, generator=g)[:T] for _ in range(bs)]).to(device)
+    ref_cache = KVCache(max_batch, kv_heads, max_slots, head_dim, dtype, device)
+    ref_cache.k.copy_(rnd(*ref_cache.k.shape))  # not zeros: slots not addressed must keep these values
+    ref_cache.v.copy_(rnd(*ref_cache.v.shape))
+    k_cache, v_cache = ref_cache.k.clone(), ref_cache.v.clone()
+
+    out = qk_norm_rope_kv(q, k, v, cos, sin, qw, kw, 1e-6, k_cache, v_cache, rows, slots)
+
+    # reference in fp32 from the same inputs (the kernel computes in fp32 and rounds once)
+    f = lambda t: t.float()  # noqa: E731
+    qr, kr = f(q), f(k)
+    if norm:
+        qr, kr = F.rms_norm(qr, (head_dim,), f(qw), 1e-6), F.rms_norm(kr, (head_dim,), f(kw), 1e-6)
+    qr = apply_rope(qr.transpose(1, 2), f(cos), f(sin))
+    kr = apply_rope(kr.transpose(1, 2), f(cos), f(sin))
+    ref_cache.update(slots, kr.to(dtype), v.transpose(1, 2), rows)
+    assert out.shape == (bs, heads, T, head_dim) and out.is_contiguous() and out.dtype == dtype
+    torch.testing.assert_close(f(out), qr, **TOL[dtype])
+    torch.testing.assert_close(f(k_cache), f(ref_cache.k), **TOL[dtype])
+    assert torch.equal(v_cache, ref_cache.v), "v is copied, not computed"
+    # every (row, slot) not written keeps its old value, bit for bit
+    written = torch.zeros(max_batch, max_slots + 1, dtype=torch.bool, device=device)
+    written[(rows if rows_given else torch.arange(bs, device=device))[:, None], slots] = True
+    assert torch.equal(k_cache.transpose(1, 2)[~written], ref_cache.k.transpose(1, 2)[~written])
+
+
+def check_silu_mul(device, dtype, inter):
+    from ddtree.kernels import silu_mul
+
+    gate_up = torch.randn(2, 3, 2 * inter).to(device, dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    out = silu_mul(gate_up)
+    assert out.shape == (2, 3, inter) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), F.silu(gate) * up, **TOL[dtype])
+
+
+def check_add_rms_norm(device, dtype, n):
+    from ddtree.kernels import add_rms_norm
+
+    x, r = torch.randn(2, 5, n).to(device, dtype), torch.randn(2, 5, n).to(device, dtype)
+    w = (torch.rand(n) + 0.5).to(device, dtype)
+    normed, res = add_rms_norm(x, r, w, 1e-6)
+    total = x.float() + r.float()
+    torch.testing.assert_close(res.float(), total, **TOL[dtype])
+    # the norm reads the residual as stored (rounded to the model dtype), like the unfused path
+    torch.testing.assert_close(normed.float(), F.rms_norm(res.float(), (n,), w.float(), 1e-6), **TOL[dtype])
+    assert torch.equal(x, x.clone()) and normed.data_ptr() != x.data_ptr() != res.data_ptr()
+
+
+def tiny_qwen3(seed=0, qk_norm=True, bias=True, layers=3) -> Transformer:
+    """Qwen3-like (q/k norm, GQA) with q/k/v biases (Qwen2), so every branch of the kernels is used."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, qk_norm=qk_norm,
+                      attention_bias=bias, model_type="qwen3" if qk_norm else "qwen2")
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
+    return model.eval()
+
+
+def run_model(model, kernels: bool):
+    """A prefill of two sequences into cache rows 0, 1, then one decode step of both with the rows
+    given in reverse order and the taps of two layers. Returns (logits, taps, k cache, v cache)."""
+    model.fuse(kernels=kernels)
+    dev = model.lm_head.weight.device
+    model.setup_caches(max_batch=2, max_slots=16)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=g).to(dev)
+    j = torch.arange(7, device=dev)
+    causal = (j[:, None] >= j[None, :])[None, None].expand(2, 1, 7, 7)
+    with torch.no_grad():
+        prefill, _ = model(ids, j.expand(2, -1), j.expand(2, -1), causal, tap_layers=(0,))
+        rows = torch.tensor([1, 0], device=dev)
+        pos = torch.tensor([[7], [7]], device=dev)
+        mask = torch.ones(2, 1, 1, 8, dtype=torch.bool, device=dev)
+        step, taps = model(ids[:, :1], pos, pos, mask, tap_layers=(2, 0), rows=rows)
+    caches = [torch.stack([layer.self_attn.kv_cache.k for layer in model.model.layers]),
+              torch.stack([layer.self_attn.kv_cache.v for layer in model.model.layers])]
+    return torch.cat([prefill, step], dim=1), taps, *caches
+
+
+def check_model(device, dtype, qk_norm):
+    model = tiny_qwen3(qk_norm=qk_norm, bias=not qk_norm).to(device, dtype)
+    ref = run_model(model, kernels=False)
+    got = run_model(model, kernels=True)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.15, rtol=0.05)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+# ---- under the interpreter (CPU) -----------------------------------------------------------------
+
+QK_CASES = [  # (T, heads, kv_heads, head_dim): decode and verify widths, GQA and MHA, a half of 6 (masked)
+    (1, 4, 2, 16), (5, 4, 2, 16), (3, 2, 2, 12), (4, 6, 2, 8),
+]
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_given", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("T,heads,kv_heads,head_dim", QK_CASES)
+def test_qk_norm_rope_kv(dtype, rows_given, norm, T, heads, kv_heads, head_dim):
+    check_qk_norm_rope_kv("cpu", dtype, rows_given, norm, T, heads, kv_heads, head_dim)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [20, 1500])  # 1500: two column blocks, the second masked
+def test_silu_mul(dtype, inter):
+    check_silu_mul("cpu", dtype, inter)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [48, 300])
+def test_add_rms_norm(dtype, n):
+    check_add_rms_norm("cpu", dtype, n)
+
+
+@interp
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_model_with_kernels_equals_without(qk_norm):
+    check_model("cpu", torch.float32, qk_norm)
+
+
+@interp
+def test_switch_is_explicit_and_dropped_on_move():
+    model = tiny_qwen3()
+    assert not model.kernels
+    model.fuse(kernels=True)
+    assert model.model.layers[0].self_attn.kernels and model.model.layers[0].mlp.kernels
+    model.to(torch.float64)
+    assert not model.kernels and not model.model.layers[0].mlp.kernels
+
+
+@interp
+def test_bench_logit_difference_of_the_two_paths():
+    from ddtree.bench import logits_difference, random_model
+
+    diff = logits_difference(random_model("tiny", "cpu", torch.float32), ctx=8, tokens=3)
+    assert diff["max_abs_diff"] < 1e-4 and diff["argmax_agreement"] == 1.0, diff
+
+
+# ---- everywhere --------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(INTERPRETED, reason="checks the non-interpreted CPU refusal")
+def test_kernels_on_cpu_are_refused_and_the_default_stays_pytorch():
+    model = tiny_qwen3()
+    with pytest.raises(RuntimeError, match="Triton kernels need"):
+        model.fuse(kernels=True)
+    assert not model.kernels
+    model.fuse()
+    assert not model.kernels and not model.model.layers[0].self_attn.kernels
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the CLI test runs once, outside the interpreter")
+def test_bench_micro_kernels_flag_on_cpu():
+    """`bench --micro --kernels` parses and runs its CPU (eager, PyTorch) path; triton is refused there."""
+    base = [sys.executable, "-m", "ddtree.cli", "bench", "--model", "random:tiny", "--device", "cpu", "--graphs",
+            "off", "--micro", "--methods", "ar", "--batch-sizes", "1", "--ctx", "16", "--rounds", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ok = subprocess.run(base + ["--kernels", "torch"], capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    micro = json.loads(ok.stdout.splitlines()[0])["micro"]
+    assert micro["kernels"] == ["torch"] and set(micro["forward_ms"]["torch"]) == {"1", "17", "33", "65"}
+    assert json.loads(ok.stdout.splitlines()[1])["kernels"] == "torch"
+    bad = subprocess.run(base + ["--kernels", "both"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "--kernels both needs triton and a CUDA device" in bad.stderr, bad.stderr
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles, outside the interpreter")
+def test_kernels_compile_for_h200_without_a_gpu():
+    """Ahead-of-time compilation to an sm_90 cubin (ptxas ships with triton): catches what the lenient
+    interpreter lets through (types, constexpr branches), and checks bf16 stores round to nearest."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddtree import kernels as K
+
+    def compile_(fn, dtype, ints, consts, warps):
+        sig = {n: "constexpr" if n in consts else ints.get(n, "*" + dtype if n.endswith("_ptr") else "i64")
+               for n in fn.arg_names}
+        src = ASTSource(fn, sig, constexprs=consts)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+    for dtype in ("bf16", "fp32"):
+        for norm in (False, True):
+            for rows in (False, True):
+                compile_(K._qk_norm_rope_kv_kernel, dtype,
+                         dict(rows_ptr="*i64", slots_ptr="*i64", T="i32", eps="fp32"),
+                         dict(N_HEADS=32, HALF=64, BLOCK=64, HAS_NORM=norm, HAS_ROWS=rows), 1)
+        compile_(K._silu_mul_kernel, dtype, dict(inter="i32"), dict(BLOCK=1024), 4)
+        k = compile_(K._add_rms_norm_kernel, dtype, dict(N="i32", eps="fp32"), dict(BLOCK=4096), 8)
+        assert k.asm["cubin"]
+        if dtype == "bf16":
+            assert "cvt.rn.bf16.f32" in k.asm["ptx"]
+
+
+# ---- compiled, on a GPU --------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kernels_equal_the_reference(dtype):
+    for case in QK_CASES + [(17, 32, 8, 128)]:
+        for rows_given in (False, True):
+            for norm in (False, True):
+                check_qk_norm_rope_kv("cuda", dtype, rows_given, norm, *case)
+    for inter in (20, 1500, 12288):
+        check_silu_mul("cuda", dtype, inter)
+    for n in (48, 300, 4096):
+        check_add_rms_norm("cuda", dtype, n)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_model_with_kernels_equals_without(dtype):
+    for qk_norm in (True, False):
+        check_model("cuda", dtype, qk_norm)
+
+
+@gpu
+@needs_cuda
+def test_graph_captured_forward_with_kernels_matches_torch():
+    """bf16, CUDA graph per variant (as bench --micro measures), on a random qwen3-shaped tiny model."""
+    model = tiny_qwen3(layers=4).to("cuda", torch.bfloat16)
+    dev = torch.device("cuda")
+    ctx, T = 24, 5
+    ids = torch.randint(0, model.config.vocab_size, (1, T), device=dev)
+    pos = (ctx + torch.arange(T, device=dev))[None]
+    mask = (torch.arange(ctx + T, device=dev)[None, :] <= pos[0, :, None])[None, None]
+    outs = {}
+    for kernels in (False, True):
+        model.fuse(kernels=kernels)
+        model.setup_caches(1, ctx + T)
+        with torch.inference_mode():
+            for _ in range(2):
+                model(ids, pos, pos, mask)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits, _ = model(ids, pos, pos, mask)
+            for layer in model.model.layers:  # replay must write the caches itself
+                layer.self_attn.kv_cache.k.zero_()
+                layer.self_attn.kv_cache.v.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[kernels] = logits.float().clone()
+    torch.testing.assert_close(outs[True], outs[False], atol=0.15, rtol=0.05)
