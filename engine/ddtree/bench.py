@@ -1,6 +1,9 @@
 """`ddtree bench`: ar / dflash / ddtree side by side, with and without CUDA graphs, plus the
 Hugging Face `generate` baseline, in one process; and micro-benchmarks of single target forwards.
 
+`--kernels torch|triton|both` picks the element-wise path of the target (model.py's PyTorch ops or the
+Triton kernels of kernels.py); with `both`, every measurement runs for each, in one process.
+
 Models: a real model id (acceptance is real when the drafter is trained) or `random:qwen3-8b`, a
 Qwen3-8B-shaped model with random bf16 weights generated on the device (the cost side: its
 acceptance is meaningless and labelled so).
@@ -68,6 +71,11 @@ def copy_bandwidth(device) -> float:
     return 2 * (1 << 31) / seconds
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
 @torch.inference_mode()
 def forward_ms(target: Transformer, batch: int, ctx: int, tokens: int, graphs: bool, reps: int = 50) -> float:
     """Time of one target forward of `tokens` new tokens per sequence after `ctx` cached ones."""
@@ -86,11 +94,11 @@ def forward_ms(target: Transformer, batch: int, ctx: int, tokens: int, graphs: b
         with torch.cuda.graph(g):
             run()
         run = g.replay
-    torch.cuda.synchronize()
+    _sync(dev)
     start = time.perf_counter()
     for _ in range(reps):
         run()
-    torch.cuda.synchronize()
+    _sync(dev)
     return (time.perf_counter() - start) / reps * 1000
 
 
@@ -103,17 +111,51 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def micro(target: Transformer, ctx: int = 1024) -> dict:
-    """Plain decode step and verify widths at batch 1 against the HBM bound."""
+def use_kernels(target: Transformer, variant: str) -> None:
+    """Fused GEMMs (as the Engine runs them) with the PyTorch ("torch") or Triton ("triton") element-wise path."""
+    target.fuse(kernels=variant == "triton")
+
+
+@torch.inference_mode()
+def logits_difference(target: Transformer, ctx: int, tokens: int = 17) -> dict:
+    """The same prefill of `ctx` tokens and verify step of `tokens` under both variants: max |logit
+    difference| (bf16 rounding differs, a wrong kernel shows as a large one) and argmax agreement."""
     dev = target.lm_head.weight.device
-    bw = copy_bandwidth(dev)
-    wbytes = weight_bytes(target)
-    out = {"weight_bytes": wbytes, "copy_bandwidth_GBps": round(bw / 1e9, 1),
-           "hbm_bound_ms": round(wbytes / bw * 1000, 3), "ctx": ctx, "forward_ms": {}}
-    for tokens in (1, 17, 33, 65):
-        out["forward_ms"][tokens] = round(forward_ms(target, 1, ctx, tokens, graphs=True), 3)
-    out["decode_over_hbm_bound"] = round(out["forward_ms"][1] / out["hbm_bound_ms"], 3)
-    out["verify33_over_decode"] = round(out["forward_ms"][33] / out["forward_ms"][1], 3)
+    ids = torch.randint(0, target.config.vocab_size, (1, ctx + tokens), generator=torch.Generator().manual_seed(0))
+    ids, j = ids.to(dev), torch.arange(ctx + tokens, device=dev)
+    logits = {}
+    for variant in ("torch", "triton"):
+        use_kernels(target, variant)
+        target.setup_caches(1, ctx + tokens)
+        target(ids[:, :ctx], j[None, :ctx], j[None, :ctx], (j[:ctx, None] >= j[None, :ctx])[None, None], logits=False)
+        mask = (j[None, :] <= j[ctx:, None])[None, None]
+        logits[variant] = target(ids[:, ctx:], j[None, ctx:], j[None, ctx:], mask)[0].float()
+    a, b = logits["torch"], logits["triton"]
+    return {"ctx": ctx, "tokens": tokens, "max_abs_diff": round((a - b).abs().max().item(), 5),
+            "max_abs_logit": round(a.abs().max().item(), 4),
+            "argmax_agreement": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4)}
+
+
+def micro(target: Transformer, ctx: int = 1024, variants: tuple[str, ...] = ("torch",)) -> dict:
+    """Plain decode step and verify widths at batch 1 against the HBM bound, per kernel variant.
+    On CUDA each shape is one CUDA graph; on CPU (a check of the code path) eager, with no bound."""
+    dev = target.lm_head.weight.device
+    cuda = dev.type == "cuda"
+    out = {"ctx": ctx, "kernels": list(variants)}
+    if cuda:
+        bw, wbytes = copy_bandwidth(dev), weight_bytes(target)
+        out.update(weight_bytes=wbytes, copy_bandwidth_GBps=round(bw / 1e9, 1), hbm_bound_ms=round(wbytes / bw * 1000, 3))
+    out.update(forward_ms={}, decode_over_hbm_bound={}, verify33_over_decode={})
+    for variant in variants:
+        use_kernels(target, variant)
+        ms = {tokens: round(forward_ms(target, 1, ctx, tokens, graphs=cuda, reps=50 if cuda else 2), 3)
+              for tokens in (1, 17, 33, 65)}
+        out["forward_ms"][variant] = ms
+        if cuda:
+            out["decode_over_hbm_bound"][variant] = round(ms[1] / out["hbm_bound_ms"], 3)
+        out["verify33_over_decode"][variant] = round(ms[33] / ms[1], 3)
+    if len(variants) > 1:
+        out["logits_torch_vs_triton"] = logits_difference(target, ctx)
     return out
 
 
@@ -233,7 +275,7 @@ def capture_all(target, drafter, ctx: int, budget: int = 32) -> dict:
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    cols = ["method", "budget", "batch", "graphs", "acceptance_length", "tokens_per_second", "ms_per_round",
+    cols = ["method", "kernels", "budget", "batch", "graphs", "acceptance_length", "tokens_per_second", "ms_per_round",
             "phase_ms", "capture_seconds", "host_syncs_per_round", "peak_memory_GiB"]
     lines = [f"### {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -251,10 +293,13 @@ def run_bench(args, target, drafter, prompts, label: str) -> dict:
     device = torch.cuda.get_device_name() if target.lm_head.weight.is_cuda else f"cpu ({torch.get_num_threads()} threads)"
     results = {"label": label, "device": device, "torch": torch.__version__, "rows": []}
     if args.micro:
-        results["micro"] = micro(target, args.ctx)
+        results["micro"] = micro(target, args.ctx, tuple(args.kernel_variants))
         print(json.dumps({"micro": results["micro"]}), flush=True)
     if args.capture_all and drafter is not None:
-        results["capture_all"] = capture_all(target, drafter, args.ctx)
+        results["capture_all"] = {}
+        for variant in args.kernel_variants:
+            use_kernels(target, variant)
+            results["capture_all"][variant] = capture_all(target, drafter, args.ctx)
         print(json.dumps({"capture_all": results["capture_all"]}), flush=True)
     methods = []
     for m in args.methods:
@@ -267,16 +312,19 @@ def run_bench(args, target, drafter, prompts, label: str) -> dict:
             for graphs in args.graph_modes:
                 if method != "ar" and drafter is None:
                     continue
-                try:
-                    row = run_config(target, drafter, method, budget, batch, prompts, graphs, args.rounds,
-                                     profile_phases=True)
-                except torch.OutOfMemoryError as exc:
-                    row = {"method": method, "budget": budget, "batch": batch, "graphs": graphs,
-                           "error": f"out of memory: {str(exc).splitlines()[0]}"}
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                results["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                for variant in args.kernel_variants:
+                    use_kernels(target, variant)  # the Engine keeps an already fused target as it is
+                    try:
+                        row = run_config(target, drafter, method, budget, batch, prompts, graphs, args.rounds,
+                                         profile_phases=True)
+                    except torch.OutOfMemoryError as exc:
+                        row = {"method": method, "budget": budget, "batch": batch, "graphs": graphs,
+                               "error": f"out of memory: {str(exc).splitlines()[0]}"}
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                    row = {"method": row.pop("method"), "kernels": variant, **row}
+                    results["rows"].append(row)
+                    print(json.dumps(row), flush=True)
         if args.hf_baseline:
             row = hf_baseline(target, batch, prompts, args.rounds)
             results["rows"].append(row)

@@ -201,8 +201,17 @@ def cmd_bench(args) -> int:
     from .bench import random_drafter, random_model, run_bench
 
     device, dtype = _device_and_dtype(args.device, args.dtype)
-    if device == "cpu" and (args.graphs != "off" or args.micro or args.capture_all or args.hf_baseline):
-        raise UsageError("on CPU, bench runs only with --graphs off and without --micro/--capture-all/--hf-baseline")
+    if device == "cpu" and (args.graphs != "off" or args.capture_all or args.hf_baseline):
+        raise UsageError("on CPU, bench runs only with --graphs off and without --capture-all/--hf-baseline")
+    from .kernels import available
+
+    if args.kernels is None:  # default: the Triton kernels wherever they run compiled
+        args.kernel_variants = ["triton"] if device.startswith("cuda") and available(device) else ["torch"]
+    else:
+        args.kernel_variants = ["torch", "triton"] if args.kernels == "both" else [args.kernels]
+        if "triton" in args.kernel_variants and not available(device):
+            raise UsageError(f"--kernels {args.kernels} needs triton and a CUDA device "
+                             "(on CPU only under TRITON_INTERPRET=1, slowly)")
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = set(args.methods) - {"ar", "dflash", "ddtree"}
     if unknown:
@@ -311,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ctx", type=int, default=1024, help="prompt length for random models")
     b.add_argument("--rounds", type=int, default=16, help="timed rounds per configuration")
     b.add_argument("--micro", action="store_true", help="also time single target forwards vs the HBM bound")
+    b.add_argument("--kernels", choices=["torch", "triton", "both"],
+                   help="element-wise path of the target: PyTorch ops, Triton kernels, or both in turn, with "
+                        "the logit difference in --micro (default: triton on CUDA when available, else torch)")
     b.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
     b.add_argument("--capture-all", action="store_true", help="also time capturing every batch/span bucket")
     b.add_argument("--device", help="cuda (default when available) or cpu (acceptance and eager speed only)")
