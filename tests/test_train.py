@@ -30,6 +30,7 @@ from ddtree.train import (
     TrainConfig,
     block_hidden,
     build_batch,
+    copy_target_layers,
     evaluate,
     find_checkpoint,
     lr_at,
@@ -182,6 +183,24 @@ def test_training_lowers_the_loss(target, data, trained):
     assert last < 0.6 * first, (first, last)
 
 
+def test_init_from_target_copies_layers_and_trains(target, data, tmp_path):
+    """--init-from-target: drafter layer i starts as target layer ids[i] (attention, MLP, norms) and
+    `fc` as the identity on the deepest tap; training from there still lowers the loss."""
+    cfg = small_cfg(layers=2, steps=10, init_from_target=[2, 3])
+    drafter = init_drafter(make_drafter_config(target.config, cfg), seed=0)
+    copy_target_layers(drafter, target, [2, 3])
+    for d_layer, i in zip(drafter.layers, [2, 3]):
+        for name, p in target.model.layers[i].state_dict().items():
+            assert torch.equal(d_layer.state_dict()[name], p), name
+    h = target.config.hidden_size
+    assert torch.equal(drafter.fc.weight[:, -h:], torch.eye(h)) and not drafter.fc.weight[:, :-h].any()
+    with pytest.raises(ValueError, match="2 drafter layers"):
+        copy_target_layers(drafter, target, [3])
+    res = train_drafter(target, data[0], tmp_path, cfg, progress=False)
+    assert sum(res.losses[-3:]) < sum(res.losses[:3])
+    assert "initialised from target layers [2, 3]" in (tmp_path / "README.md").read_text()
+
+
 def test_saved_drafter_loads_and_decodes_losslessly(target, data, trained):
     res, _ = trained
     out = res.out_dir
@@ -295,7 +314,9 @@ def test_cli_make_data_train_and_resume(target, tmp_path, capsys):
     assert run(*no_data, "--final-eval-prompts", "0", "--resume", str(tmp_path / "dr")) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 6
     for bad, needle in [(["--block-size", "1"], "--block-size"), (["--resume", "x", "--init", "y"], "exclude"),
-                        (["--taps", "1,9"], "outside the target"), (["--taps", "a"], "integers")]:
+                        (["--taps", "1,9"], "outside the target"), (["--taps", "a"], "integers"),
+                        (["--init-from-target", "1,2,3"], "needs 2 target layer"),
+                        (["--init-from-target", "--resume", "x"], "excludes")]:
         with pytest.raises(UsageError, match=needle):
             run("train-drafter", *base, "--out", str(tmp_path / "e"), "--data", str(tmp_path / "d"), *bad)
     with pytest.raises(UsageError, match="make-data"):

@@ -31,15 +31,33 @@ def _device_and_dtype(device: str | None, dtype: str | None):
     return device, names[dtype]
 
 
-def load_target(ref: str, device: str, dtype, revision: str | None = None):
-    """(model, tokenizer) for a built-in id, local folder, .gguf file or hub id."""
+# element-wise path of the target: "auto" = the Triton kernels on CUDA when triton is importable
+KERNEL_CHOICES = ("auto", "torch", "triton")
+DEFAULT_KERNELS = "torch"
+
+
+def use_triton_kernels(choice: str, device: str) -> bool:
+    from .kernels import available
+
+    if choice == "triton" and not available(device):
+        raise UsageError("--kernels triton needs triton and a CUDA device")
+    return choice == "triton" or (choice == "auto" and str(device).startswith("cuda") and available(device))
+
+
+def load_target(ref: str, device: str, dtype, revision: str | None = None, kernels: str = "torch"):
+    """(model, tokenizer) for a built-in id, local folder, .gguf file or hub id; `kernels` picks the
+    element-wise path (KERNEL_CHOICES)."""
     from transformers import AutoTokenizer
 
     from .loading import resolve_model
     from .model import Transformer
 
+    triton = use_triton_kernels(kernels, device)  # refuse before the (slow) load
     folder = resolve_model(ref, revision)
-    return Transformer.from_pretrained(folder, dtype=dtype, device=device), AutoTokenizer.from_pretrained(folder)
+    target = Transformer.from_pretrained(folder, dtype=dtype, device=device)
+    if triton:
+        target.fuse(kernels=True)  # the Engine keeps an already fused target as it is
+    return target, AutoTokenizer.from_pretrained(folder)
 
 
 def load_drafter_ref(ref: str, target, device: str, dtype, revision: str | None = None):
@@ -96,7 +114,8 @@ def generate_on_rank(rank: int, world: int, args) -> dict:
     device, dtype = _device_and_dtype(args.device, args.dtype)
     if world > 1 and device == "cuda":
         device = f"cuda:{rank}"
-    target, tokenizer = load_target(args.model, device, dtype)
+    # the Triton kernels are not wired for sharded layers (shard() turns them off): torch path under TP
+    target, tokenizer = load_target(args.model, device, dtype, kernels=args.kernels if world == 1 else "torch")
     drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.method != "ar" else None
     if world > 1:
         from .parallel import shard
@@ -159,7 +178,7 @@ def build_engine(args, max_batch_size: int):
         raise UsageError(f"--budget must be >= 0, got {args.budget}")
     default_drafter(args)
     device, dtype = _device_and_dtype(args.device, args.dtype)
-    target, tokenizer = load_target(args.model, device, dtype)
+    target, tokenizer = load_target(args.model, device, dtype, kernels=args.kernels)
     drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.method != "ar" else None
     engine = Engine(target, drafter, args.method, args.budget, max_batch_size=max_batch_size,
                     max_seq_len=args.max_seq_len)
@@ -275,6 +294,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV cache length per sequence")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
+                   help="element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto "
+                        "(Triton on CUDA when available); default %(default)s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -296,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
+                   help="element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto "
+                        "(Triton on CUDA when available); default %(default)s")
     g.add_argument("--tensor-parallel", type=int, default=1,
                    help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too")
     g.set_defaults(func=cmd_generate)

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 
-from .cli import UsageError
+from .cli import DEFAULT_KERNELS, KERNEL_CHOICES, UsageError
 
 log = logging.getLogger("ddtree.server")
 
@@ -212,7 +212,7 @@ class EngineServer:
 
             bar = tqdm(total=5, desc="ddtree serve", unit="step", file=sys.stderr, dynamic_ncols=True)
             bar.set_postfix_str(f"loading {cfg.model}")
-            target, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.revision)
+            target, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.revision, kernels=cfg.kernels)
             bar.update()
             if cfg.method != "ar":
                 bar.set_postfix_str(f"loading drafter {cfg.drafter}")
@@ -662,6 +662,9 @@ def register(subparsers, bench: bool = True) -> None:
     p.add_argument("--drafter-revision", help="hub revision of --drafter")
     p.add_argument("--block-size", type=int, help="expected drafter block size (checked against the drafter)")
     p.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per replica (only 1 is implemented)")
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
+                   help="element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto "
+                        "(Triton on CUDA when available); default %(default)s")
     p.add_argument("--smoke-fault", choices=list(SMOKE_FAULTS), help=argparse.SUPPRESS)  # tests only
     p.set_defaults(func=cmd_serve)
     if not bench:

@@ -76,6 +76,7 @@ class TrainConfig:
     final_eval_tokens: int = 128
     final_eval_budget: int = 32
     save_dtype: str = "bfloat16"
+    init_from_target: list[int] | None = None  # target layers copied into the drafter layers at step 0
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -93,6 +94,27 @@ def default_taps(num_target_layers: int, num_draft_layers: int) -> list[int]:
     k = max(num_draft_layers, 3) if num_target_layers >= 12 else num_draft_layers
     ids = default_target_layer_ids(num_target_layers, k)
     return sorted({min(max(i, 0), num_target_layers - 1) for i in ids})
+
+
+def copy_target_layers(drafter: DFlashDrafter, target: Transformer, layer_ids: list[int]) -> None:
+    """Start drafter layer i as a copy of target layer layer_ids[i] (attention, MLP, norms), and `fc` as
+    the identity on the deepest tap. A warm start: the drafter's output feeds the target's final norm
+    and LM head, so copies of late target layers begin in the space that head reads."""
+    if len(layer_ids) != len(drafter.layers):
+        raise ValueError(f"--init-from-target names {len(layer_ids)} target layers for {len(drafter.layers)} "
+                         "drafter layers")
+    bad = [i for i in layer_ids if not 0 <= i < len(target.model.layers)]
+    if bad:
+        raise ValueError(f"--init-from-target {bad} outside the target's {len(target.model.layers)} layers")
+    with torch.no_grad():
+        for d_layer, i in zip(drafter.layers, layer_ids):
+            t_state = target.model.layers[i].state_dict()
+            for name, p in d_layer.state_dict(keep_vars=True).items():
+                if name in t_state and t_state[name].shape == p.shape:
+                    p.copy_(t_state[name].to(p.dtype))
+        h = drafter.config.hidden_size
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -h:].copy_(torch.eye(h, dtype=drafter.fc.weight.dtype))
 
 
 def make_drafter_config(target_cfg, cfg: TrainConfig) -> DrafterConfig:
@@ -443,6 +465,8 @@ def train_drafter(
             drafter = load_drafter(resolve_model(str(init)), target.config, dtype=torch.float32, device=dev)
         else:
             drafter = init_drafter(make_drafter_config(target.config, cfg), seed=cfg.seed).to(dev)
+            if cfg.init_from_target:
+                copy_target_layers(drafter, target, cfg.init_from_target)
     dcfg = drafter.config
     dcfg.check_target(target.config)
     cfg.block_size, cfg.layers, cfg.taps = dcfg.block_size, dcfg.num_hidden_layers, list(dcfg.target_layer_ids)
@@ -654,6 +678,8 @@ def write_model_card(out: Path, cfg: TrainConfig, dcfg: DrafterConfig, n_params:
          f"gamma {cfg.gamma}, seed {cfg.seed}"),
         loss_line,
     ]
+    if cfg.init_from_target:
+        lines.insert(-1, f"- drafter layers initialised from target layers {cfg.init_from_target} (`--init-from-target`)")
     if result.eval:
         lines.append(f"- held-out loss {result.eval['loss']:.4f}, held-out acceptance estimate (greedy chain, "
                      f"bonus included) {result.eval['acc_len']:.3f} at step {result.eval['step']}")
@@ -751,6 +777,8 @@ def cmd_train_drafter(args) -> int:
 
     if args.resume and args.init:
         raise _usage("--resume and --init exclude each other")
+    if args.init_from_target and (args.init or args.resume):
+        raise _usage("--init-from-target excludes --init and --resume")
     for name in ("layers", "steps", "batch_size", "anchors_per_seq"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise _usage(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -785,6 +813,13 @@ def cmd_train_drafter(args) -> int:
         grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
         **{k: v for k, v in given.items() if v is not None},
     )
+    if args.init_from_target:
+        n = target.config.num_hidden_layers
+        ids = (list(range(n - cfg.layers, n)) if args.init_from_target == "last"
+               else _parse_ints(args.init_from_target, "--init-from-target"))
+        if len(ids) != cfg.layers or not all(0 <= i < n for i in ids):
+            raise _usage(f"--init-from-target needs {cfg.layers} target layer ids in [0, {n}), got {ids}")
+        cfg.init_from_target = ids
     if cfg.taps is not None:
         bad = [t for t in cfg.taps if not 0 <= t < target.config.num_hidden_layers]
         if bad:
@@ -856,6 +891,9 @@ def register(subparsers) -> None:
     t.add_argument("--final-eval-budget", type=int, help="DDTree budget of the final measurement (default 32)")
     t.add_argument("--save-dtype", choices=["bfloat16", "float32"], help="dtype of the saved drafter (default bfloat16)")
     t.add_argument("--init", help="start from this drafter folder instead of random weights")
+    t.add_argument("--init-from-target", nargs="?", const="last", metavar="LAYERS",
+                   help="start the drafter layers as copies of target layers: comma-separated ids, or 'last' "
+                        "(the default when the flag has no value) for the target's last --layers layers")
     t.add_argument("--resume", help="continue from OUT (or its checkpoint/ folder)")
     t.add_argument("--device")
     t.add_argument("--dtype", help="target dtype (default: bfloat16 on cuda, float32 on cpu)")
