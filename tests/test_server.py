@@ -592,6 +592,11 @@ def test_32_concurrent_clients_match_sequential_greedy_and_counters_add_up(ddtre
     assert delta("ddtree_request_latency_seconds_count") == 128
     rounds = delta("ddtree_engine_step_seconds_count")
     assert drafts / rounds > 2, "requests must have shared rounds (continuous batching)"
+    # the gauges are set at the end of the engine thread's iteration, after the last response went out
+    deadline = time.monotonic() + 10
+    while total(after, "ddtree_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = metrics(url)
     assert total(after, "ddtree_requests_running") == 0 and total(after, "ddtree_requests_waiting") == 0
     print(f"\n32x4 requests: {elapsed:.1f}s, {rounds:.0f} rounds, mean batch {drafts / rounds:.1f}")
 

@@ -182,6 +182,23 @@ def load_config(folder) -> dict:
         return json.load(f)
 
 
+def peek_config(ref: str, revision: str | None = None) -> dict | None:
+    """The model's config.json without fetching weights (a hub id downloads config.json only); None when
+    it cannot be had cheaply (a GGUF file, which needs converting, or an unreachable hub id)."""
+    path = pathlib.Path(ref).expanduser()
+    try:
+        if path.is_dir() or ref in BUILTIN_MODELS or ref in BUILTIN_DRAFTERS:  # local, or small
+            return load_config(resolve_model(ref, revision))
+        if not path.exists() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", ref):
+            import huggingface_hub
+
+            return load_config(pathlib.Path(huggingface_hub.hf_hub_download(ref, "config.json",
+                                                                            revision=revision)).parent)
+    except Exception:  # noqa: BLE001 - only a shortcut; loading reports the real problem
+        return None
+    return None
+
+
 def load_state_dict(folder, dtype=None, device="cpu") -> dict[str, torch.Tensor]:
     """All tensors of a folder: model.safetensors, the shards named by model.safetensors.index.json, or *.safetensors."""
     from safetensors import safe_open

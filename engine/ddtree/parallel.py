@@ -5,19 +5,31 @@ MLP columns), o_proj and down_proj row-parallel with one all-reduce each, the em
 vocabulary-parallel (masked lookup + all-reduce, all-gather of the logits). The KV cache is sharded by
 KV heads. The residual stream, and so every tapped hidden state, is the same on every rank: the drafter
 is replicated and the tree build and walk run identically everywhere, with no extra communication.
+
+Serving (`ddtree serve --tensor-parallel N`): rank 0 runs the HTTP server and the scheduler on a `Leader`,
+which broadcasts every engine call (add / step / release / capture_graphs / smoke) to the other ranks
+before making it locally; ranks 1..N-1 `follow`: they replay those calls, in the same order, on their
+shard. Same calls in the same order means the same sampling generator state on every rank, so sampled
+trees and walks also agree without communication.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .model import Transformer
+
+log = logging.getLogger("ddtree.parallel")
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,15 @@ def init_from_env(device_type: str) -> tuple[int, int]:
     return rank, world
 
 
+def _local_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun-style variables for a group of processes on this host, talking over the loopback device."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    if sys.platform == "linux" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the address the host name resolves to
+    return env
+
+
 def launch(world: int, fn, *args, device_type: str = "cpu"):
     """Run fn(rank, world, *args) in `world` fresh processes joined in one group; return rank 0's result."""
     import torch.multiprocessing as mp
@@ -113,8 +134,7 @@ def launch(world: int, fn, *args, device_type: str = "cpu"):
 
 
 def _rank_main(rank: int, world: int, port: int, device_type: str, fn, args, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(_local_env(rank, world, port))
     init_from_env(device_type)
     try:
         result = fn(rank, world, *args)
@@ -122,3 +142,144 @@ def _rank_main(rank: int, world: int, port: int, device_type: str, fn, args, que
             queue.put(result)
     finally:
         dist.destroy_process_group()
+
+
+def start_followers(world: int, fn, *args, device_type: str = "cpu") -> list:
+    """Make this process rank 0 of a new `world`-rank group on this host: start ranks 1..world-1, each
+    running fn(rank, world, *args) in a fresh process, and set this process's RANK/WORLD_SIZE/MASTER_*
+    so that init_from_env() (from any thread) joins the group. Call it from the main thread: a follower
+    is sent SIGKILL when the thread that started it ends (Linux parent-death signal), so a rank 0 that
+    dies, however it dies, takes its followers with it."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_follower_main, args=(rank, world, port, device_type, os.getpid(), fn, args),
+                         name=f"ddtree-rank-{rank}") for rank in range(1, world)]
+    for p in procs:
+        p.start()
+    os.environ.update(_local_env(0, world, port))
+    return procs
+
+
+def _follower_main(rank: int, world: int, port: int, device_type: str, parent: int, fn, args) -> None:
+    _die_with_parent(parent)
+    os.environ.update(_local_env(rank, world, port))
+    init_from_env(device_type)
+    fn(rank, world, *args)
+    dist.destroy_process_group()
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG (Linux only)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+# ---- serving: rank 0 leads, the other ranks replay its engine calls -----------------------------
+
+
+class RankFailure(Exception):
+    """The ranks are out of step (a broadcast, or a replayed call on rank 0, failed): the group cannot
+    serve any more. Not a RuntimeError on purpose: the scheduler survives RuntimeErrors of one round,
+    but after this one every later collective would hang or fail, so its engine thread must stop."""
+
+
+ENGINE_CALLS = ("add", "step", "release", "capture_graphs", "smoke")
+
+
+def command_group():
+    """The group the commands travel on: gloo (on the CPU, whatever carries the tensors), with an
+    unbounded timeout since followers wait for rank 0's next call as long as the server is idle. A rank
+    that dies closes its connections, so the others' broadcast fails at once instead of waiting."""
+    return dist.new_group(backend="gloo", timeout=timedelta(days=3650))
+
+
+def _apply(engine, name: str, args: tuple, kwargs: dict):
+    if name == "smoke":
+        from .smoke import run_smoke
+
+        return run_smoke(engine, *args, **kwargs)
+    return getattr(engine, name)(*args, **kwargs)
+
+
+class Leader:
+    """Rank 0's engine: broadcasts each call that touches the model or the state later rounds depend on
+    (ENGINE_CALLS) to the followers, then makes it on the local shard. Anything else (host_lengths,
+    budget, check_request, ...) reads the local engine. Used from one thread at a time."""
+
+    def __init__(self, engine, group):
+        self.engine, self.group = engine, group
+        self.failed: BaseException | None = None
+
+    def __getattr__(self, name: str):  # only for names this class does not define
+        if name in ("engine", "generate", "round", "propose", "build_tree"):  # would run rank 0 alone
+            raise AttributeError(f"Leader has no '{name}' (only {', '.join(ENGINE_CALLS)} run on every rank)")
+        return getattr(self.engine, name)
+
+    def add(self, slot: int, prompt: list[int], params) -> int:
+        return self._call("add", slot, list(prompt), params)
+
+    def step(self, n: int) -> list[list[int]]:
+        return self._call("step", n)
+
+    def release(self, slot: int) -> None:
+        if self.failed is not None:  # local bookkeeping only: nobody is listening any more
+            return self.engine.release(slot)
+        return self._call("release", slot)
+
+    def capture_graphs(self, **kwargs) -> float:
+        return self._call("capture_graphs", **kwargs)
+
+    def smoke(self, *args, **kwargs):
+        """ddtree.smoke.run_smoke(engine, *args, **kwargs) on every rank."""
+        return self._call("smoke", *args, **kwargs)
+
+    def stop(self) -> None:
+        """Tell the followers to leave `follow` (once the scheduler no longer uses this engine)."""
+        if self.failed is None:
+            self._send(("stop", (), {}))
+            self.failed = RankFailure("stopped")
+
+    def _send(self, command: tuple) -> None:
+        try:
+            dist.broadcast_object_list([command], src=0, group=self.group)
+        except Exception as exc:
+            self.failed = exc
+            raise RankFailure(f"broadcast of {command[0]} to the other ranks failed: {exc}") from exc
+
+    def _call(self, name: str, *args, **kwargs):
+        if self.failed is not None:
+            raise RankFailure(f"the tensor parallel group is unusable: {self.failed}")
+        self._send((name, args, kwargs))
+        try:
+            return _apply(self.engine, name, args, kwargs)
+        except ValueError:  # a refused request: every rank refuses it the same way, before any collective
+            raise
+        except Exception as exc:
+            self.failed = exc
+            raise RankFailure(f"{name} failed on rank 0, the ranks are out of step: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+
+def follow(engine, group) -> None:
+    """Ranks 1..N-1: replay rank 0's engine calls on this shard until it sends stop. A ValueError (a
+    refused request) happens on rank 0 as well, at the same point, so it is skipped; any other error
+    ends this rank (and so breaks the group: rank 0 fails its next call)."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        name, args, kwargs = box[0]
+        if name == "stop":
+            return
+        if name not in ENGINE_CALLS:
+            raise RankFailure(f"unknown command '{name}' from rank 0")
+        try:
+            _apply(engine, name, args, kwargs)
+        except ValueError as exc:
+            log.debug("rank 0 refused it too: %s", exc)

@@ -5,6 +5,10 @@ thread loads the weights, captures CUDA graphs (on a GPU), runs the smoke test (
 when it passes, starts the scheduler (ddtree.scheduler) and flips /ready to 200. When the smoke test
 (or loading) fails, the reason goes to the termination log and the process exits with status 1.
 
+Tensor parallelism (--tensor-parallel N, or N torchrun processes): this process is rank 0 and runs
+everything above; ranks 1..N-1 (`serve_follower`) load their shard, bind no port and replay rank 0's
+engine calls (ddtree.parallel.Leader / follow). On shutdown rank 0 sends them a stop command.
+
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
 events), GET /v1/models, GET /health, GET /ready, GET /metrics. Errors use OpenAI's body
 {"error": {"message", "type", "param", "code"}}.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import json
 import logging
 import math
@@ -177,6 +182,59 @@ def _chat_messages(body: dict) -> list[dict]:
 # ---- the server -----------------------------------------------------------------------------
 
 
+def load_engine(cfg, rank: int = 0, bar=None):
+    """(engine, target, tokenizer) from the serve flags; with cfg.world > 1 the target is this rank's
+    shard (call it on every rank, after joining the group, so that all ranks build the same engine)."""
+    from .cli import load_drafter_ref, load_target
+    from .engine import Engine
+
+    def note(text: str | None = None) -> None:
+        if bar is not None:
+            bar.set_postfix_str(text) if text else bar.update()
+
+    device = cfg.device
+    if cfg.world > 1 and device == "cuda":
+        device = f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
+    note(f"loading {cfg.model}")
+    # the Triton kernels are not wired for sharded layers: the torch path under tensor parallelism
+    target, tokenizer = load_target(cfg.model, device, cfg.dtype, cfg.revision,
+                                    kernels=cfg.kernels if cfg.world == 1 else "torch")
+    note()
+    drafter = None
+    if cfg.method != "ar":
+        note(f"loading drafter {cfg.drafter}")
+        drafter = load_drafter_ref(cfg.drafter, target, device, cfg.dtype, cfg.drafter_revision)
+        if cfg.block_size is not None and cfg.block_size != drafter.block_size:
+            raise ValueError(f"--block-size {cfg.block_size} differs from the drafter's block size "
+                             f"{drafter.block_size} (a DFlash drafter is trained for one block size)")
+    note()
+    if cfg.world > 1:
+        from .parallel import shard
+
+        shard(target, rank, cfg.world)
+    engine = Engine(target, drafter, cfg.method, cfg.budget, max_batch_size=cfg.max_batch_size,
+                    max_seq_len=cfg.max_seq_len)
+    return engine, target, tokenizer
+
+
+def serve_follower(rank: int, world: int, cfg) -> int:
+    """Ranks 1..N-1 of `ddtree serve --tensor-parallel N`: load this rank's shard, build the same engine
+    as rank 0 and replay rank 0's engine calls until it sends stop. No HTTP server, no port.
+
+    SIGINT and SIGTERM are ignored: rank 0 gets them too (terminal, torchrun, kubelet) and ends the
+    followers with the stop command. If rank 0 dies instead, a follower started by rank 0 gets SIGKILL
+    (parent-death signal); under torchrun the broadcast it waits in fails on the closed connection."""
+    from .parallel import command_group, follow, init_from_env
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    init_from_env(cfg.device.split(":")[0])  # a no-op when start_followers' process already joined
+    group = command_group()
+    engine, _, _ = load_engine(cfg, rank)
+    follow(engine, group)
+    return 0
+
+
 class EngineServer:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -194,37 +252,47 @@ class EngineServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopped: asyncio.Event | None = None
         self.loader: threading.Thread | None = None
+        self.leader = None  # parallel.Leader when tensor parallel: the engine calls go through it
+        self.followers: list = []  # follower processes this process started (not under torchrun)
+        self.closing = False
 
     # ---- start-up (loader thread) ---------------------------------------------------------------
 
     def start_loading(self) -> None:
         self.loader = threading.Thread(target=self._load, name="ddtree-load", daemon=True)
         self.loader.start()
+        if self.followers:
+            threading.Thread(target=self._watch_followers, name="ddtree-followers", daemon=True).start()
+
+    def _watch_followers(self) -> None:
+        """A follower that ends before the shutdown leaves rank 0's collectives hanging or failing: stop."""
+        from multiprocessing.connection import wait
+
+        ended = wait([p.sentinel for p in self.followers])
+        if self.closing:  # the stop command ended it (and the main thread reaps it)
+            return
+        dead = next(p for p in self.followers if p.sentinel in ended)
+        self._fail(f"tensor parallel rank {dead.name.rsplit('-', 1)[-1]} exited with code {dead.exitcode}")
 
     def _load(self) -> None:
         cfg = self.cfg
         try:
             from tqdm import tqdm
 
-            from .cli import load_drafter_ref, load_target, stop_ids
-            from .engine import Engine
+            from .cli import stop_ids
             from .smoke import run_smoke
 
             bar = tqdm(total=5, desc="ddtree serve", unit="step", file=sys.stderr, dynamic_ncols=True)
-            bar.set_postfix_str(f"loading {cfg.model}")
-            target, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.revision, kernels=cfg.kernels)
-            bar.update()
-            if cfg.method != "ar":
-                bar.set_postfix_str(f"loading drafter {cfg.drafter}")
-                drafter = load_drafter_ref(cfg.drafter, target, cfg.device, cfg.dtype, cfg.drafter_revision)
-                if cfg.block_size is not None and cfg.block_size != drafter.block_size:
-                    raise ValueError(f"--block-size {cfg.block_size} differs from the drafter's block size "
-                                     f"{drafter.block_size} (a DFlash drafter is trained for one block size)")
-            else:
-                drafter = None
-            bar.update()
-            engine = Engine(target, drafter, cfg.method, cfg.budget, max_batch_size=cfg.max_batch_size,
-                            max_seq_len=cfg.max_seq_len)
+            if cfg.world > 1:
+                from .parallel import Leader, command_group, init_from_env
+
+                bar.set_postfix_str(f"joining {cfg.world} tensor parallel ranks")
+                init_from_env(cfg.device.split(":")[0])
+                self.leader = Leader(None, command_group())
+            engine, target, tokenizer = load_engine(cfg, 0, bar)
+            if self.leader is not None:
+                self.leader.engine = engine
+                engine = self.leader
             self.metrics.spec_budget.set(engine.budget)
             bar.update()
             self.phase = "capturing"
@@ -238,8 +306,8 @@ class EngineServer:
             limit = max(1, cfg.max_seq_len - 9)
             prompts = [tokenizer.encode(t)[:limit] for t in SMOKE_TEXTS]
             extra = {"fault": cfg.smoke_fault} if cfg.smoke_fault else {}
-            report = run_smoke(engine, cfg.smoke_sizes, prompts, max_new_tokens=min(8, cfg.max_seq_len - limit),
-                               **extra)
+            smoke = engine.smoke if self.leader is not None else functools.partial(run_smoke, engine)
+            report = smoke(cfg.smoke_sizes, prompts, max_new_tokens=min(8, cfg.max_seq_len - limit), **extra)
             bar.update()
             bar.close()
         except BaseException as exc:  # any start-up failure ends the process with a reason
@@ -278,6 +346,32 @@ class EngineServer:
             log.error("could not write the termination log: %s", exc)
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.stopped.set)
+
+    def stop_followers(self, timeout: float = 30.0) -> bool:
+        """After the HTTP server and the scheduler stopped: send the followers the stop command (unless a
+        thread still uses the engine), wait for the ones this process started and kill what is left.
+        True when the group was left cleanly."""
+        busy = [t for t in (self.loader, self.scheduler and self.scheduler._thread) if t and t.is_alive()]
+        clean = False
+        if self.leader is not None and not busy:
+            from .parallel import RankFailure
+
+            try:
+                self.leader.stop()
+                clean = True
+            except RankFailure as exc:
+                log.warning("could not stop the other ranks: %s", exc)
+        for p in self.followers:
+            p.join(timeout if clean else 5.0)
+            if p.is_alive():
+                log.warning("killing %s (pid %s): it did not stop", p.name, p.pid)
+                p.kill()
+                p.join()
+        if clean:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        return clean or self.leader is None
 
     # ---- HTTP --------------------------------------------------------------------------------
 
@@ -552,6 +646,7 @@ async def _serve(server: EngineServer) -> int:
     server.start_loading()
     await server.stopped.wait()
     log.info("shutting down")
+    server.closing = True
     if server.scheduler is not None:
         await asyncio.to_thread(server.scheduler.stop)
     await runner.cleanup()
@@ -584,13 +679,13 @@ def serve_config(args) -> argparse.Namespace:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise UsageError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if args.tensor_parallel != 1:
-        raise UsageError(f"--tensor-parallel {args.tensor_parallel}: tensor parallelism is not implemented yet "
-                         "(only 1 is supported)")
+    if args.tensor_parallel < 1:
+        raise UsageError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UsageError("--served-model-name must not be empty")
     cfg = argparse.Namespace(**vars(args))
     cfg.device, cfg.dtype = _device_and_dtype(args.device, args.dtype)
+    _tensor_parallel(cfg)
     if args.batch_buckets:
         sizes = _int_list(args.batch_buckets, "--batch-buckets")
         if max(sizes) > args.max_batch_size:
@@ -607,14 +702,50 @@ def serve_config(args) -> argparse.Namespace:
     return cfg
 
 
+def _tensor_parallel(cfg) -> None:
+    """cfg.world and cfg.rank: started by torchrun (WORLD_SIZE set), or --tensor-parallel ranks that
+    this process starts itself (as rank 0). A split that does not fit is refused before anything starts."""
+    torchrun = "WORLD_SIZE" in os.environ
+    cfg.world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.tensor_parallel
+    cfg.rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    cfg.spawn_followers = cfg.world > 1 and not torchrun
+    if torchrun and cfg.tensor_parallel not in (1, cfg.world):
+        raise UsageError(f"--tensor-parallel {cfg.tensor_parallel} differs from torchrun's WORLD_SIZE {cfg.world}")
+    if cfg.world == 1:
+        return
+    if cfg.spawn_followers and cfg.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < cfg.world:
+            raise UsageError(f"--tensor-parallel {cfg.world} needs {cfg.world} GPUs, this host has "
+                             f"{torch.cuda.device_count()}")
+    from .loading import peek_config
+    from .model import ModelConfig
+    from .parallel import check_divisible
+
+    config = peek_config(cfg.model, cfg.revision)
+    if config is not None:  # otherwise shard() refuses it at load time (a start-up failure)
+        check_divisible(ModelConfig.from_hf(config), cfg.world)  # ValueError: one line, exit 2
+
+
 def cmd_serve(args) -> int:
     cfg = serve_config(args)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                             stream=sys.stderr)
+    if cfg.rank > 0:  # a torchrun process other than rank 0
+        return serve_follower(cfg.rank, cfg.world, cfg)
     server = EngineServer(cfg)
-    code = asyncio.run(_serve(server))
-    if server.loader is not None and server.loader.is_alive():  # stopped while loading: don't join torch
+    if cfg.spawn_followers:
+        from .parallel import start_followers
+
+        server.followers = start_followers(cfg.world, serve_follower, cfg, device_type=cfg.device.split(":")[0])
+    try:
+        code = asyncio.run(_serve(server))
+    finally:
+        clean = server.stop_followers()
+    if not clean or (server.loader is not None and server.loader.is_alive()):
+        # stopped while loading, or a thread is stuck in a collective: don't join torch
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -661,7 +792,8 @@ def register(subparsers, bench: bool = True) -> None:
     p.add_argument("--revision", help="hub revision of --model (branch, tag or commit)")
     p.add_argument("--drafter-revision", help="hub revision of --drafter")
     p.add_argument("--block-size", type=int, help="expected drafter block size (checked against the drafter)")
-    p.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per replica (only 1 is implemented)")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too")
     p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
                    help="element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto "
                         "(Triton on CUDA when available); default %(default)s")

@@ -128,6 +128,9 @@ def engine_args(spec: SpeculativeDeploymentSpec) -> list[str]:
     return args + list(spec.engine.args)
 
 
+NCCL_DEFAULT_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
 def _env(spec: SpeculativeDeploymentSpec) -> list[dict[str, Any]]:
     env = [
         {"name": "DDTREE_CACHE", "value": CACHE_DIR},
@@ -135,6 +138,11 @@ def _env(spec: SpeculativeDeploymentSpec) -> list[dict[str, Any]]:
     ]
     if spec.model_cache is not None and spec.model_cache.read_only:
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # a read-only cache cannot take downloads
+    if spec.parallelism.tensor > 1:
+        # NCCL between the replica's GPUs: NVLink multicast (NVLS) off unless spec.engine.env turns it on;
+        # on shared hosts a program using it can take the GPUs out of service.
+        own = {var.name for var in spec.engine.env}
+        env += [{"name": name, "value": value} for name, value in NCCL_DEFAULT_ENV.items() if name not in own]
     for var in spec.engine.env:
         env.append(var.model_dump(by_alias=True, exclude_none=True))
     return env

@@ -196,3 +196,16 @@ def test_engine_overrides():
     assert (engine["image"], engine["imagePullPolicy"]) == ("registry.example/ddtree:1", "Always")
     assert engine["args"][-2:] == ["--seed", "1"]
     assert {"name": "X", "value": "1"} in engine["env"]
+
+
+def test_tensor_parallel_pods_get_nvlink_multicast_off_unless_the_spec_says_otherwise():
+    def env(**overrides):
+        return {e["name"]: e.get("value") for e in container(render_deployment(OWNER, spec(**overrides), DEFAULTS))["env"]}
+
+    tp = {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}}
+    assert env(**tp)["NCCL_NVLS_ENABLE"] == "0" and env(**tp)["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert "NCCL_NVLS_ENABLE" not in env() and "NCCL_NVLS_ENABLE" not in env(resources={"gpus": 1})
+    names = [e["name"] for e in container(render_deployment(
+        OWNER, spec(**tp, engine={"env": [{"name": "NCCL_NVLS_ENABLE", "value": "1"}]}), DEFAULTS))["env"]]
+    assert names.count("NCCL_NVLS_ENABLE") == 1
+    assert env(**tp, engine={"env": [{"name": "NCCL_NVLS_ENABLE", "value": "1"}]})["NCCL_NVLS_ENABLE"] == "1"
