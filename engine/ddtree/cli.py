@@ -224,7 +224,7 @@ def cmd_bench(args) -> int:
         raise UsageError("on CPU, bench runs only with --graphs off and without --capture-all/--hf-baseline")
     from .kernels import available
 
-    if args.kernels is None:  # default: the Triton kernels wherever they run compiled
+    if args.kernels == "auto":
         args.kernel_variants = ["triton"] if device.startswith("cuda") and available(device) else ["torch"]
     else:
         args.kernel_variants = ["torch", "triton"] if args.kernels == "both" else [args.kernels]
@@ -345,9 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ctx", type=int, default=1024, help="prompt length for random models")
     b.add_argument("--rounds", type=int, default=16, help="timed rounds per configuration")
     b.add_argument("--micro", action="store_true", help="also time single target forwards vs the HBM bound")
-    b.add_argument("--kernels", choices=["torch", "triton", "both"],
-                   help="element-wise path of the target: PyTorch ops, Triton kernels, or both in turn, with "
-                        "the logit difference in --micro (default: triton on CUDA when available, else torch)")
+    b.add_argument("--kernels", choices=[*KERNEL_CHOICES, "both"], default=DEFAULT_KERNELS,
+                   help="element-wise path of the target: PyTorch ops, Triton kernels, auto, or both in turn, "
+                        "with the logit difference in --micro; default %(default)s")
     b.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
     b.add_argument("--capture-all", action="store_true", help="also time capturing every batch/span bucket")
     b.add_argument("--device", help="cuda (default when available) or cpu (acceptance and eager speed only)")
