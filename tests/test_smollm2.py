@@ -52,24 +52,37 @@ def test_greedy_equals_ar(setup, method, budget):
     assert single.token_ids == ref[3].token_ids
 
 
-def test_shipped_drafter_is_lossless_and_accepts_drafts(smollm2):
+# Standard-library modules whose files the shipped drafter's training data held out (data_manifest.json,
+# held_out_files; the rest of its held-out files are site-packages of the GPU host)
+HELD_OUT_MODULES = ["csv.py", "ctypes/_aix.py", "curses/has_key.py", "encodings/cp856.py", "encodings/cp869.py",
+                    "multiprocessing/context.py", "xdrlib.py", "xml/dom/minidom.py"]
+
+
+def test_shipped_drafter_is_lossless_and_accepts_on_held_out_code(smollm2):
     """The built-in drafter (trained on the H200, see its README.md) loads by id, decodes losslessly,
-    and accepts drafts. Its acceptance is far below the issue's target (dflash > 2): see docs/benchmarks.md."""
+    and on held-out code reaches dflash acceptance > 2 and ddtree (B=32) > 1.25 x dflash. The prompt
+    of each module is fixed by rule: 40 lines from its first `def`, cut to 96 tokens."""
+    import sysconfig
+    from pathlib import Path
+
     from ddtree.drafter import load_drafter
     from ddtree.loading import resolve_model
 
     model, tok, _ = smollm2
     drafter = load_drafter(resolve_model("smollm2-135m-instruct-dflash"), model.config, dtype=torch.float32)
-    code = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Stack:\n    \"\"\"A simple stack.\"\"\"\n\n    def __init__(self):\n",
-            "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"]
-    prompts = [tok.encode(t) for t in code]
-    sp = SamplingParams(max_new_tokens=48, stop_token_ids=(tok.eos_token_id,))
-    ref = Engine(model, None, "ar", max_batch_size=3, max_seq_len=160).generate(prompts, sp)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for module in HELD_OUT_MODULES:
+        lines = (stdlib / module).read_text().splitlines(keepends=True)
+        first_def = next(i for i, line in enumerate(lines) if line.lstrip().startswith("def "))
+        prompts.append(tok.encode("".join(lines[first_def:first_def + 40]))[:96])
+    sp = SamplingParams(max_new_tokens=96, stop_token_ids=(tok.eos_token_id,))
+    ref = Engine(model, None, "ar", max_batch_size=8, max_seq_len=200).generate(prompts, sp)
     acc = {}
     for method, budget in (("dflash", None), ("ddtree", 32)):
-        res = Engine(model, drafter, method, budget, max_batch_size=3, max_seq_len=160).generate(prompts, sp)
+        res = Engine(model, drafter, method, budget, max_batch_size=8, max_seq_len=200).generate(prompts, sp)
         assert [r.token_ids for r in res] == [r.token_ids for r in ref]
         acc[method] = sum(sum(r.accepted_per_round) for r in res) / sum(r.rounds for r in res)
-    print("acceptance", acc)
-    assert acc["dflash"] > 1.1, acc  # a random-init drafter stays at ~1.0
-    assert acc["ddtree"] > acc["dflash"], acc
+    print("acceptance", acc)  # measured 2026-11-29: dflash 2.476, ddtree 3.378
+    assert acc["dflash"] > 2.0, acc  # a random-init drafter stays at ~1.0
+    assert acc["ddtree"] > 1.25 * acc["dflash"], acc
