@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from ddtree.drafter import DrafterConfig, init_drafter
 from ddtree.engine import Engine, SamplingParams
-from ddtree.parallel import Leader, check_divisible, command_group, follow, launch, shard
+from ddtree.parallel import Leader, check_divisible, command_group, follow, launch, shard, split
 from tiny_models import random_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
@@ -33,19 +33,86 @@ def generate_all(target, drafter, prompts, new_tokens):
     return out
 
 
-def tiny_rank(rank, world):
-    torch.set_num_threads(1)
+def tiny_pair():
     target = random_target(vocab=64, hidden=64, layers=3, heads=4, kv_heads=2, seed=3)
-    drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=8), seed=1)
-    shard(target, rank, world)
+    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=2, block_size=8), seed=1)
+    return target, drafter
+
+
+def tiny_rank(rank, world, split_drafter):
+    torch.set_num_threads(1)
+    target, drafter = tiny_pair()
+    split(target, drafter if split_drafter else None, rank, world)
+    if split_drafter:  # the drafter's layers hold this rank's heads and columns only
+        assert drafter.layers[0].self_attn.q_proj.weight.shape[0] == target.config.hidden_size // world
     return generate_all(target, drafter, PROMPTS, 16)
 
 
-def test_tp2_equals_tp1_on_a_tiny_model():
-    target = random_target(vocab=64, hidden=64, layers=3, heads=4, kv_heads=2, seed=3)
-    drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=8), seed=1)
-    expected = generate_all(target, drafter, PROMPTS, 16)
-    assert launch(2, tiny_rank) == expected
+@pytest.mark.parametrize("split_drafter", [False, True], ids=["drafter-replicated", "drafter-split"])
+def test_tp2_equals_tp1_on_a_tiny_model(split_drafter):
+    expected = generate_all(*tiny_pair(), PROMPTS, 16)
+    assert launch(2, tiny_rank, split_drafter) == expected
+
+
+def test_generate_on_a_random_model_is_the_same_split_or_not():
+    """`ddtree generate --model random:tiny --drafter random:2` (cost runs need no checkpoint): TP 2, with
+    the drafter replicated or split, emits the unsplit tokens; --split-drafter alone is refused."""
+    def run(*flags):
+        cmd = [sys.executable, "-m", "ddtree.cli", "generate", "--model", "random:tiny", "--drafter", "random:2",
+               "--prompt", "hello world", "--max-new-tokens", "12", "--json", "--device", "cpu", *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    one = run()
+    assert one.returncode == 0, one.stderr
+    tokens = json.loads(one.stdout.splitlines()[-1])["token_ids"]
+    assert len(tokens) == 12
+    for flags in (["--tensor-parallel", "2"], ["--tensor-parallel", "2", "--split-drafter"]):
+        out = run(*flags)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout.splitlines()[-1])["token_ids"] == tokens, flags
+    bad = run("--split-drafter")
+    assert bad.returncode == 2 and "--split-drafter needs --tensor-parallel > 1" in bad.stderr
+
+
+@torch.inference_mode()
+def nccl_graph_rank(rank, world):
+    """Rank `rank` of a 2-GPU NCCL group: the split target's logits against the full model's, and
+    ar / dflash / ddtree rounds replayed from CUDA graphs (all-reduces and all-gathers inside)
+    against the full model run eagerly on the same GPU."""
+    from ddtree.loading import random_drafter
+
+    target = random_target(vocab=256, hidden=256, layers=4, heads=8, kv_heads=4, seed=5).to(f"cuda:{rank}")
+    drafter = random_drafter(target, 2, block_size=8, seed=2)
+    ids = torch.tensor([PROMPTS[2] * 4], device=f"cuda:{rank}")
+    j = torch.arange(ids.shape[1], device=ids.device)
+    mask = (j[None, :] <= j[:, None])[None, None]
+
+    def logits(model):
+        model.setup_caches(1, ids.shape[1])
+        return model(ids, j[None], j[None], mask)[0]
+
+    full_logits = logits(target)
+    expected = generate_all(target, drafter, PROMPTS, 24)
+    split(target, drafter, rank, world)
+    diff = (logits(target) - full_logits).abs().max() / full_logits.abs().max()
+    out = {"relative_logit_diff": diff.item()}
+    for method, budget in METHODS:
+        eng = Engine(target, drafter, method, budget, max_batch_size=4, max_seq_len=96)
+        eng.capture_graphs([1, 2, 4])
+        got = [r.token_ids for r in eng.generate(PROMPTS, SamplingParams(max_new_tokens=24))]
+        out[method] = got == expected[method]
+        out[f"{method}_graphs"] = len(eng.graphs.graphs)  # no fallback: a round without one raises
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+def test_nccl_tensor_parallel_in_cuda_graphs_equals_one_gpu():
+    out = launch(2, nccl_graph_rank, device_type="cuda")
+    assert out["relative_logit_diff"] < 1e-4, out
+    for method, _ in METHODS:
+        assert out[method], out
+        assert out[f"{method}_graphs"] > 0, out
 
 
 def smollm2_rank(rank, world, folder, prompts):

@@ -18,41 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .drafter import DrafterConfig, init_drafter
 from .engine import Engine, SamplingParams
-from .model import ModelConfig, Transformer
-
-RANDOM_SHAPES = {
-    # Qwen3-8B: 36 layers, hidden 4096, 32 q / 8 kv heads of 128, MLP 12288, vocab 151936
-    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
-                     model_type="qwen3", max_position_embeddings=40960),
-    # a small shape for quick GPU checks
-    "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
-}
-
-
-@torch.no_grad()
-def random_model(shape: str, device, dtype, seed: int = 0) -> Transformer:
-    if shape not in RANDOM_SHAPES:
-        raise ValueError(f"unknown random shape '{shape}' (known: {', '.join(RANDOM_SHAPES)})")
-    cfg = ModelConfig(**RANDOM_SHAPES[shape])
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Transformer(cfg).to(dtype)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0, 0.02)
-    return model.eval()
-
-
-def random_drafter(target: Transformer, layers: int, block_size: int, seed: int = 0):
-    p = target.lm_head.weight
-    cfg = DrafterConfig.for_target(target.config, num_layers=layers, block_size=block_size)
-    return init_drafter(cfg, seed).to(device=p.device, dtype=p.dtype)
+from .loading import random_drafter, random_model  # noqa: F401 - re-exported for scripts
+from .model import Transformer
 
 
 def copy_bandwidth(device) -> float:
@@ -141,8 +109,8 @@ def micro(target: Transformer, ctx: int = 1024, variants: tuple[str, ...] = ("to
     On CUDA each shape is one CUDA graph; on CPU (a check of the code path) eager, with no bound."""
     dev = target.lm_head.weight.device
     cuda = dev.type == "cuda"
-    out = {"ctx": ctx, "kernels": list(variants)}
-    if cuda:
+    out = {"ctx": ctx, "kernels": list(variants), "tensor_parallel": target.tp.world if target.tp else 1}
+    if cuda:  # under tensor parallelism: this rank's shard against this rank's HBM
         bw, wbytes = copy_bandwidth(dev), weight_bytes(target)
         out.update(weight_bytes=wbytes, copy_bandwidth_GBps=round(bw / 1e9, 1), hbm_bound_ms=round(wbytes / bw * 1000, 3))
     out.update(forward_ms={}, decode_over_hbm_bound={}, verify33_over_decode={})
@@ -289,18 +257,26 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_bench(args, target, drafter, prompts, label: str) -> dict:
+def run_bench(args, target, drafter, prompts, label: str, report: bool = True) -> dict:
+    """Every measurement asked for by args; prints JSON lines and writes --out when `report` (under
+    tensor parallelism every rank runs the same measurements in step, rank 0 reports)."""
     device = torch.cuda.get_device_name() if target.lm_head.weight.is_cuda else f"cpu ({torch.get_num_threads()} threads)"
-    results = {"label": label, "device": device, "torch": torch.__version__, "rows": []}
+    world = target.tp.world if target.tp else 1
+    results = {"label": label, "device": device, "torch": torch.__version__, "tensor_parallel": world, "rows": []}
+
+    def emit(record: dict) -> None:
+        if report:
+            print(json.dumps(record), flush=True)
+
     if args.micro:
         results["micro"] = micro(target, args.ctx, tuple(args.kernel_variants))
-        print(json.dumps({"micro": results["micro"]}), flush=True)
+        emit({"micro": results["micro"]})
     if args.capture_all and drafter is not None:
         results["capture_all"] = {}
         for variant in args.kernel_variants:
             use_kernels(target, variant)
             results["capture_all"][variant] = capture_all(target, drafter, args.ctx)
-        print(json.dumps({"capture_all": results["capture_all"]}), flush=True)
+        emit({"capture_all": results["capture_all"]})
     methods = []
     for m in args.methods:
         if m == "ddtree":
@@ -324,12 +300,12 @@ def run_bench(args, target, drafter, prompts, label: str) -> dict:
                         torch.cuda.empty_cache()
                     row = {"method": row.pop("method"), "kernels": variant, **row}
                     results["rows"].append(row)
-                    print(json.dumps(row), flush=True)
+                    emit(row)
         if args.hf_baseline:
             row = hf_baseline(target, batch, prompts, args.rounds)
             results["rows"].append(row)
-            print(json.dumps(row), flush=True)
-    if args.out:
+            emit(row)
+    if args.out and report:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(results, indent=1))

@@ -49,10 +49,17 @@ def load_target(ref: str, device: str, dtype, revision: str | None = None, kerne
     element-wise path (KERNEL_CHOICES)."""
     from transformers import AutoTokenizer
 
-    from .loading import resolve_model
+    from .loading import RANDOM_PREFIX, random_model, resolve_model
     from .model import Transformer
 
     triton = use_triton_kernels(kernels, device)  # refuse before the (slow) load
+    if ref.startswith(RANDOM_PREFIX):  # cost runs: random weights and a byte-level stand-in tokenizer
+        from .data import ByteTokenizer
+
+        target = random_model(ref.removeprefix(RANDOM_PREFIX), device, dtype)
+        if triton:
+            target.fuse(kernels=True)
+        return target, ByteTokenizer(target.config.vocab_size)
     folder = resolve_model(ref, revision)
     target = Transformer.from_pretrained(folder, dtype=dtype, device=device)
     if triton:
@@ -60,10 +67,25 @@ def load_target(ref: str, device: str, dtype, revision: str | None = None, kerne
     return target, AutoTokenizer.from_pretrained(folder)
 
 
+def target_config(ref: str, revision: str | None = None):
+    """The target's ModelConfig without loading weights (a GGUF file is converted first)."""
+    from .loading import RANDOM_PREFIX, load_config, random_config, resolve_model
+    from .model import ModelConfig
+
+    if ref.startswith(RANDOM_PREFIX):
+        return random_config(ref)
+    return ModelConfig.from_hf(load_config(resolve_model(ref, revision)))
+
+
 def load_drafter_ref(ref: str, target, device: str, dtype, revision: str | None = None):
     from .drafter import load_drafter
-    from .loading import resolve_model
+    from .loading import RANDOM_PREFIX, random_drafter, resolve_model
 
+    if ref.startswith(RANDOM_PREFIX):  # random:LAYERS, a random-init drafter (cost runs)
+        layers = ref.removeprefix(RANDOM_PREFIX)
+        if not layers.isdigit() or int(layers) < 1:
+            raise UsageError(f"a random drafter is random:LAYERS with LAYERS >= 1, got '{ref}'")
+        return random_drafter(target, int(layers))
     return load_drafter(resolve_model(ref, revision), target.config, dtype=dtype, device=device)
 
 
@@ -72,6 +94,15 @@ def stop_ids(tokenizer, target) -> tuple[int, ...]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
+
+
+def check_parallel_flags(args) -> None:
+    import os
+
+    if args.tensor_parallel < 1:
+        raise UsageError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if args.split_drafter and args.tensor_parallel == 1 and "WORLD_SIZE" not in os.environ:
+        raise UsageError("--split-drafter needs --tensor-parallel > 1")
 
 
 def cmd_generate(args) -> int:
@@ -83,8 +114,7 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
-    if args.tensor_parallel < 1:
-        raise UsageError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    check_parallel_flags(args)
     default_drafter(args)
     device, _ = _device_and_dtype(args.device, args.dtype)
     if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
@@ -93,11 +123,9 @@ def cmd_generate(args) -> int:
         rank, world = init_from_env(device.split(":")[0])
         out = generate_on_rank(rank, world, args)
     elif args.tensor_parallel > 1:  # start the ranks ourselves, once the split is known to fit
-        from .loading import load_config, resolve_model
-        from .model import ModelConfig
         from .parallel import check_divisible, launch
 
-        check_divisible(ModelConfig.from_hf(load_config(resolve_model(args.model))), args.tensor_parallel)
+        check_divisible(target_config(args.model), args.tensor_parallel)
 
         rank, out = 0, launch(args.tensor_parallel, generate_on_rank, args, device_type=device.split(":")[0])
     else:
@@ -114,13 +142,13 @@ def generate_on_rank(rank: int, world: int, args) -> dict:
     device, dtype = _device_and_dtype(args.device, args.dtype)
     if world > 1 and device == "cuda":
         device = f"cuda:{rank}"
-    # the Triton kernels are not wired for sharded layers (shard() turns them off): torch path under TP
     target, tokenizer = load_target(args.model, device, dtype, kernels=args.kernels if world == 1 else "torch")
     drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.method != "ar" else None
     if world > 1:
-        from .parallel import shard
+        from .parallel import split
 
-        shard(target, rank, world)
+        split(target, drafter if args.split_drafter else None, rank, world)
+        target.fuse(kernels=use_triton_kernels(args.kernels, device))  # on the shards
     if args.chat:
         prompt_ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
@@ -215,11 +243,9 @@ BENCH_PROMPTS = [
 
 
 def cmd_bench(args) -> int:
-    import torch
+    import os
 
-    from .bench import random_drafter, random_model, run_bench
-
-    device, dtype = _device_and_dtype(args.device, args.dtype)
+    device, _ = _device_and_dtype(args.device, args.dtype)
     if device == "cpu" and (args.graphs != "off" or args.capture_all or args.hf_baseline):
         raise UsageError("on CPU, bench runs only with --graphs off and without --capture-all/--hf-baseline")
     from .kernels import available
@@ -238,13 +264,46 @@ def cmd_bench(args) -> int:
     args.budgets = parse_int_list(args.budgets, "--budgets")
     args.batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
     args.graph_modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs]
+    check_parallel_flags(args)
+    if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
+        from .parallel import init_from_env
+
+        bench_on_rank(*init_from_env(device.split(":")[0]), args)
+    elif args.tensor_parallel > 1:
+        if args.hf_baseline:
+            raise UsageError("--hf-baseline runs on one device: leave out --tensor-parallel")
+        if device.startswith("cuda") and torch_cuda_count() < args.tensor_parallel:
+            raise UsageError(f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} GPUs, "
+                             f"this host has {torch_cuda_count()}")
+        from .parallel import launch
+
+        launch(args.tensor_parallel, bench_on_rank, args, device_type=device.split(":")[0])
+    else:
+        bench_on_rank(0, 1, args)
+    return 0
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def bench_on_rank(rank: int, world: int, args) -> None:
+    """Load (and split over `world` ranks when > 1) and run the benchmark; rank 0 prints and writes."""
+    import torch
+
+    from .bench import run_bench
+
+    device, dtype = _device_and_dtype(args.device, args.dtype)
+    if world > 1 and device == "cuda":
+        device = f"cuda:{rank}"
+    target, tokenizer = load_target(args.model, device, dtype)
     if args.model.startswith("random:"):
-        target = random_model(args.model.split(":", 1)[1], device, dtype)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, target.config.vocab_size, (args.ctx,), generator=g).tolist() for _ in range(4)]
         label = f"{args.model} (random weights: acceptance is meaningless, cost only)"
     else:
-        target, tokenizer = load_target(args.model, device, dtype)
         prompts = []
         for text in BENCH_PROMPTS:
             if text.startswith(("def ", "class ", "import ")):
@@ -254,13 +313,13 @@ def cmd_bench(args) -> int:
                                                              add_generation_prompt=True, tokenize=True,
                                                              return_dict=False))
         label = f"{args.model} + {args.drafter or 'no drafter'}"
-    drafter = None
-    if args.drafter and args.drafter.startswith("random:"):
-        drafter = random_drafter(target, int(args.drafter.split(":", 1)[1]), 16)
-    elif args.drafter:
-        drafter = load_drafter_ref(args.drafter, target, device, dtype)
-    run_bench(args, target, drafter, prompts, label)
-    return 0
+    drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.drafter else None
+    if world > 1:
+        from .parallel import split
+
+        split(target, drafter if args.split_drafter else None, rank, world)
+        label += f", tensor parallel {world} (drafter {'split' if args.split_drafter else 'replicated'})"
+    run_bench(args, target, drafter, prompts, label, report=rank == 0)
 
 
 def cmd_init_drafter(args) -> int:
@@ -284,6 +343,14 @@ def cmd_init_drafter(args) -> int:
     print(f"wrote a random-init DFlash drafter ({args.layers} layers, block {args.block_size}, taps "
           f"{cfg.target_layer_ids}) to {out}")
     return 0
+
+
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too")
+    p.add_argument("--split-drafter", action="store_true",
+                   help="with --tensor-parallel: split the drafter's layers like the target's instead of "
+                        "running a full copy on every rank")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -321,8 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
                    help="element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto "
                         "(Triton on CUDA when available); default %(default)s")
-    g.add_argument("--tensor-parallel", type=int, default=1,
-                   help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too")
+    add_parallel_flags(g)
     g.set_defaults(func=cmd_generate)
 
     sm = sub.add_parser("smoke", help="capture graphs and compare them with eager execution (readiness gate)")
@@ -343,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1,4,16,64")
     b.add_argument("--graphs", choices=["on", "off", "both"], default="both")
     b.add_argument("--ctx", type=int, default=1024, help="prompt length for random models")
+    add_parallel_flags(b)
     b.add_argument("--rounds", type=int, default=16, help="timed rounds per configuration")
     b.add_argument("--micro", action="store_true", help="also time single target forwards vs the HBM bound")
     b.add_argument("--kernels", choices=[*KERNEL_CHOICES, "both"], default=DEFAULT_KERNELS,

@@ -188,7 +188,7 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b % (self.vocab_size - 2) for b in text.encode("utf-8")]
 
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 

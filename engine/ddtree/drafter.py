@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .model import MLP, KVCache, ModelConfig, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from .model import MLP, KVCache, ModelConfig, RMSNorm, additive_mask, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class DrafterMismatchError(ValueError):
@@ -160,6 +160,7 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.kv_cache: KVCache | None = None
+        self.tp = None  # parallel.TensorParallel when split (parallel.shard_drafter): o_proj outputs are partial sums
 
     def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         bs, T, _ = x.shape
@@ -179,7 +180,8 @@ class DrafterAttention(nn.Module):
         q = apply_rope(q, *rope_blk)
         k_all, v_all = self.kv_cache.read(bs, mask.shape[-1])
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
+        out = self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
+        return self.tp.all_reduce(out) if self.tp else out
 
 
 class DrafterLayer(nn.Module):
@@ -217,8 +219,8 @@ class DFlashDrafter(nn.Module):
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
         self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(p.device)
         for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(
-                max_batch, self.config.num_key_value_heads, max_slots, self.config.head_dim, p.dtype, p.device
+            layer.self_attn.kv_cache = KVCache(  # this rank's KV heads when split
+                max_batch, layer.self_attn.n_kv, max_slots, self.config.head_dim, p.dtype, p.device
             )
         self.max_batch, self.max_slots = max_batch, max_slots
 
@@ -236,6 +238,7 @@ class DFlashDrafter(nn.Module):
         [bs, P, taps*H]: tapped target hidden states of newly committed tokens (cached here);
         mask [bs, 1, BS, span] over drafter cache slots. Returns normed hidden states [bs, BS, H]."""
         dtype = block_embeds.dtype
+        mask = additive_mask(mask, dtype)
         rope_blk = rope_cos_sin(self.inv_freq, block_positions, dtype)
         ctx = rope_ctx = None
         if ctx_features is not None:

@@ -177,6 +177,57 @@ def _builtin_gguf(spec: BuiltinModel, progress: bool) -> pathlib.Path:
     return target
 
 
+# ---- random weights: the cost side of benchmarks, and models for tests ------------------------------
+
+RANDOM_PREFIX = "random:"
+RANDOM_SHAPES = {
+    # Qwen3-8B: 36 layers, hidden 4096, 32 q / 8 kv heads of 128, MLP 12288, vocab 151936
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
+                     model_type="qwen3", max_position_embeddings=40960),
+    # a small shape for quick checks
+    "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+}
+
+
+def random_config(ref: str):
+    """The ModelConfig of `random:SHAPE` (ValueError naming the known shapes otherwise)."""
+    from .model import ModelConfig
+
+    shape = ref.removeprefix(RANDOM_PREFIX)
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random shape '{shape}' (known: {', '.join(RANDOM_SHAPES)})")
+    return ModelConfig(**RANDOM_SHAPES[shape])
+
+
+@torch.no_grad()
+def random_model(shape: str, device, dtype, seed: int = 0):
+    """A target of a known shape with random weights (std 0.02, unit norms), generated on `device`.
+    The same seed gives the same weights on every device, so tensor-parallel ranks agree."""
+    from .model import Transformer
+
+    cfg = random_config(shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(cfg).to(dtype)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0, 0.02)
+    return model.eval()
+
+
+def random_drafter(target, layers: int, block_size: int = 16, seed: int = 0):
+    """A random-init DFlash drafter of `layers` layers for `target` (cost only: it accepts little)."""
+    from .drafter import DrafterConfig, init_drafter
+
+    p = target.lm_head.weight
+    cfg = DrafterConfig.for_target(target.config, num_layers=layers, block_size=block_size)
+    return init_drafter(cfg, seed).to(device=p.device, dtype=p.dtype)
+
+
 def load_config(folder) -> dict:
     with open(pathlib.Path(folder) / "config.json", encoding="utf-8") as f:
         return json.load(f)

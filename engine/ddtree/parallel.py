@@ -42,19 +42,66 @@ class TensorParallel:
         return x
 
     def all_gather_last(self, x: Tensor) -> Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        """Concatenate the ranks' x along the last dim (one collective into one buffer: graph-safe)."""
+        gathered = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(gathered, x.contiguous())
+        parts = gathered.view(self.world, *x.shape)
+        return parts.movedim(0, -2).reshape(*x.shape[:-1], self.world * x.shape[-1])
 
 
-def check_divisible(cfg, world: int) -> None:
-    """Refuse a split that does not divide the model evenly, naming every offending size."""
+def check_divisible(cfg, world: int, what: str = "the model") -> None:
+    """Refuse a split that does not divide the model (or drafter) evenly, naming every offending size."""
     sizes = {"attention heads": cfg.num_attention_heads, "KV heads": cfg.num_key_value_heads,
              "MLP width": cfg.intermediate_size, "vocabulary": cfg.vocab_size}
     bad = [f"{n} {name}" for name, n in sizes.items() if n % world]
     if bad:
-        raise ValueError(f"tensor parallel {world} does not divide the model: " + ", ".join(bad)
+        raise ValueError(f"tensor parallel {world} does not divide {what}: " + ", ".join(bad)
                          + f" (each must be a multiple of {world})")
+
+
+def split(target: Transformer, drafter, rank: int, world: int) -> None:
+    """Shard the target, and the drafter too when one is given (otherwise it stays replicated)."""
+    if drafter is not None:
+        check_divisible(drafter.config, world, "the drafter")
+    shard(target, rank, world)
+    if drafter is not None:
+        shard_drafter(drafter, TensorParallel(rank, world) if target.tp is None else target.tp)
+
+
+def _keep_rows(p, rank: int, n: int) -> None:
+    p.data = p.data[rank * n : (rank + 1) * n].clone()
+
+
+def _keep_cols(p, rank: int, n: int) -> None:
+    p.data = p.data[:, rank * n : (rank + 1) * n].clone()
+
+
+def _shard_attention_mlp(attn, mlp, tp: TensorParallel, hq: int, hkv: int, inter: int) -> None:
+    """Megatron split of one layer: q/k/v and gate/up by output rows, o/down by input columns."""
+    hd, rank = attn.head_dim, tp.rank
+    for proj, heads in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)):
+        _keep_rows(proj.weight, rank, heads * hd)
+        if proj.bias is not None:
+            _keep_rows(proj.bias, rank, heads * hd)
+    _keep_cols(attn.o_proj.weight, rank, hq * hd)
+    if attn.o_proj.bias is not None and rank > 0:
+        attn.o_proj.bias.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
+    attn.n_heads, attn.n_kv = hq, hkv
+    _keep_rows(mlp.gate_proj.weight, rank, inter)
+    _keep_rows(mlp.up_proj.weight, rank, inter)
+    _keep_cols(mlp.down_proj.weight, rank, inter)
+    attn.tp = mlp.tp = tp
+
+
+@torch.no_grad()
+def shard_drafter(drafter, tp: TensorParallel) -> None:
+    """Split the drafter's layers like the target's (fc and the norms stay replicated). Its KV cache
+    is then sharded by KV heads too; call before setup_caches (the Engine does that)."""
+    cfg, world = drafter.config, tp.world
+    check_divisible(cfg, world, "the drafter")
+    for layer in drafter.layers:
+        _shard_attention_mlp(layer.self_attn, layer.mlp, tp, cfg.num_attention_heads // world,
+                             cfg.num_key_value_heads // world, cfg.intermediate_size // world)
 
 
 @torch.no_grad()
@@ -62,39 +109,19 @@ def shard(model: Transformer, rank: int, world: int) -> Transformer:
     """Keep this rank's slice of every split weight (in place) and switch on the collectives."""
     cfg = model.config
     check_divisible(cfg, world)
-    hd = cfg.head_dim
-    hq, hkv = cfg.num_attention_heads // world, cfg.num_key_value_heads // world
-    inter, vocab = cfg.intermediate_size // world, cfg.vocab_size // world
-
-    def rows(p, n):
-        p.data = p.data[rank * n : (rank + 1) * n].clone()
-
-    def cols(p, n):
-        p.data = p.data[:, rank * n : (rank + 1) * n].clone()
-
-    model.fuse_off()
+    tp = TensorParallel(rank, world)
+    model.fuse_off()  # the fused views point at the full weights; the Engine fuses the shards again
     for layer in model.model.layers:
-        a = layer.self_attn
-        for proj, heads in ((a.q_proj, hq), (a.k_proj, hkv), (a.v_proj, hkv)):
-            rows(proj.weight, heads * hd)
-            if proj.bias is not None:
-                rows(proj.bias, heads * hd)
-        cols(a.o_proj.weight, hq * hd)
-        if a.o_proj.bias is not None and rank > 0:
-            a.o_proj.bias.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
-        a.n_heads, a.n_kv = hq, hkv
-        rows(layer.mlp.gate_proj.weight, inter)
-        rows(layer.mlp.up_proj.weight, inter)
-        cols(layer.mlp.down_proj.weight, inter)
+        _shard_attention_mlp(layer.self_attn, layer.mlp, tp, cfg.num_attention_heads // world,
+                             cfg.num_key_value_heads // world, cfg.intermediate_size // world)
+    vocab = cfg.vocab_size // world
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    rows(model.model.embed_tokens.weight, vocab)
+    _keep_rows(model.model.embed_tokens.weight, rank, vocab)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     else:
-        rows(model.lm_head.weight, vocab)
-    model.tp = TensorParallel(rank, world)
-    for layer in model.model.layers:
-        layer.self_attn.tp = layer.mlp.tp = model.tp
+        _keep_rows(model.lm_head.weight, rank, vocab)
+    model.tp = tp
     return model
 
 

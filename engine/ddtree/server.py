@@ -32,7 +32,13 @@ import threading
 import time
 import uuid
 
-from .cli import DEFAULT_KERNELS, KERNEL_CHOICES, UsageError
+from .cli import (
+    DEFAULT_KERNELS,
+    KERNEL_CHOICES,
+    UsageError,
+    add_parallel_flags,
+    check_parallel_flags,
+)
 
 log = logging.getLogger("ddtree.server")
 
@@ -185,7 +191,7 @@ def _chat_messages(body: dict) -> list[dict]:
 def load_engine(cfg, rank: int = 0, bar=None):
     """(engine, target, tokenizer) from the serve flags; with cfg.world > 1 the target is this rank's
     shard (call it on every rank, after joining the group, so that all ranks build the same engine)."""
-    from .cli import load_drafter_ref, load_target
+    from .cli import load_drafter_ref, load_target, use_triton_kernels
     from .engine import Engine
 
     def note(text: str | None = None) -> None:
@@ -196,7 +202,6 @@ def load_engine(cfg, rank: int = 0, bar=None):
     if cfg.world > 1 and device == "cuda":
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
     note(f"loading {cfg.model}")
-    # the Triton kernels are not wired for sharded layers: the torch path under tensor parallelism
     target, tokenizer = load_target(cfg.model, device, cfg.dtype, cfg.revision,
                                     kernels=cfg.kernels if cfg.world == 1 else "torch")
     note()
@@ -209,9 +214,10 @@ def load_engine(cfg, rank: int = 0, bar=None):
                              f"{drafter.block_size} (a DFlash drafter is trained for one block size)")
     note()
     if cfg.world > 1:
-        from .parallel import shard
+        from .parallel import split
 
-        shard(target, rank, cfg.world)
+        split(target, drafter if cfg.split_drafter else None, rank, cfg.world)
+        target.fuse(kernels=use_triton_kernels(cfg.kernels, device))  # on the shards
     engine = Engine(target, drafter, cfg.method, cfg.budget, max_batch_size=cfg.max_batch_size,
                     max_seq_len=cfg.max_seq_len)
     return engine, target, tokenizer
@@ -679,8 +685,7 @@ def serve_config(args) -> argparse.Namespace:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise UsageError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if args.tensor_parallel < 1:
-        raise UsageError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    check_parallel_flags(args)
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UsageError("--served-model-name must not be empty")
     cfg = argparse.Namespace(**vars(args))
@@ -719,13 +724,15 @@ def _tensor_parallel(cfg) -> None:
         if torch.cuda.device_count() < cfg.world:
             raise UsageError(f"--tensor-parallel {cfg.world} needs {cfg.world} GPUs, this host has "
                              f"{torch.cuda.device_count()}")
-    from .loading import peek_config
+    from .loading import RANDOM_PREFIX, peek_config, random_config
     from .model import ModelConfig
     from .parallel import check_divisible
 
-    config = peek_config(cfg.model, cfg.revision)
+    config = random_config(cfg.model) if cfg.model.startswith(RANDOM_PREFIX) else peek_config(cfg.model, cfg.revision)
+    if isinstance(config, dict):
+        config = ModelConfig.from_hf(config)
     if config is not None:  # otherwise shard() refuses it at load time (a start-up failure)
-        check_divisible(ModelConfig.from_hf(config), cfg.world)  # ValueError: one line, exit 2
+        check_divisible(config, cfg.world)  # ValueError: one line, exit 2
 
 
 def cmd_serve(args) -> int:
@@ -792,8 +799,7 @@ def register(subparsers, bench: bool = True) -> None:
     p.add_argument("--revision", help="hub revision of --model (branch, tag or commit)")
     p.add_argument("--drafter-revision", help="hub revision of --drafter")
     p.add_argument("--block-size", type=int, help="expected drafter block size (checked against the drafter)")
-    p.add_argument("--tensor-parallel", type=int, default=1,
-                   help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too")
+    add_parallel_flags(p)
     p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
                    help="element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto "
                         "(Triton on CUDA when available); default %(default)s")
