@@ -39,24 +39,24 @@ def tiny_pair():
     return target, drafter
 
 
-def tiny_rank(rank, world, split_drafter):
+def tiny_rank(rank, world, replicate_drafter):
     torch.set_num_threads(1)
     target, drafter = tiny_pair()
-    split(target, drafter if split_drafter else None, rank, world)
-    if split_drafter:  # the drafter's layers hold this rank's heads and columns only
-        assert drafter.layers[0].self_attn.q_proj.weight.shape[0] == target.config.hidden_size // world
+    how = split(target, drafter, rank, world, replicate_drafter)
+    rows = drafter.layers[0].self_attn.q_proj.weight.shape[0]  # this rank's heads only when split
+    assert (how, rows) == (("replicated", 64) if replicate_drafter else ("split", 64 // world))
     return generate_all(target, drafter, PROMPTS, 16)
 
 
-@pytest.mark.parametrize("split_drafter", [False, True], ids=["drafter-replicated", "drafter-split"])
-def test_tp2_equals_tp1_on_a_tiny_model(split_drafter):
+@pytest.mark.parametrize("replicate_drafter", [False, True], ids=["drafter-split", "drafter-replicated"])
+def test_tp2_equals_tp1_on_a_tiny_model(replicate_drafter):
     expected = generate_all(*tiny_pair(), PROMPTS, 16)
-    assert launch(2, tiny_rank, split_drafter) == expected
+    assert launch(2, tiny_rank, replicate_drafter) == expected
 
 
 def test_generate_on_a_random_model_is_the_same_split_or_not():
     """`ddtree generate --model random:tiny --drafter random:2` (cost runs need no checkpoint): TP 2, with
-    the drafter replicated or split, emits the unsplit tokens; --split-drafter alone is refused."""
+    the drafter split or replicated, emits the unsplit tokens; --replicate-drafter alone is refused."""
     def run(*flags):
         cmd = [sys.executable, "-m", "ddtree.cli", "generate", "--model", "random:tiny", "--drafter", "random:2",
                "--prompt", "hello world", "--max-new-tokens", "12", "--json", "--device", "cpu", *flags]
@@ -66,12 +66,12 @@ def test_generate_on_a_random_model_is_the_same_split_or_not():
     assert one.returncode == 0, one.stderr
     tokens = json.loads(one.stdout.splitlines()[-1])["token_ids"]
     assert len(tokens) == 12
-    for flags in (["--tensor-parallel", "2"], ["--tensor-parallel", "2", "--split-drafter"]):
+    for flags in (["--tensor-parallel", "2"], ["--tensor-parallel", "2", "--replicate-drafter"]):
         out = run(*flags)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout.splitlines()[-1])["token_ids"] == tokens, flags
-    bad = run("--split-drafter")
-    assert bad.returncode == 2 and "--split-drafter needs --tensor-parallel > 1" in bad.stderr
+    bad = run("--replicate-drafter")
+    assert bad.returncode == 2 and "--replicate-drafter needs --tensor-parallel > 1" in bad.stderr
 
 
 @torch.inference_mode()
@@ -93,7 +93,7 @@ def nccl_graph_rank(rank, world):
 
     full_logits = logits(target)
     expected = generate_all(target, drafter, PROMPTS, 24)
-    split(target, drafter, rank, world)
+    assert split(target, drafter, rank, world) == "split"
     diff = (logits(target) - full_logits).abs().max() / full_logits.abs().max()
     out = {"relative_logit_diff": diff.item()}
     for method, budget in METHODS:

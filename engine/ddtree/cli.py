@@ -101,8 +101,8 @@ def check_parallel_flags(args) -> None:
 
     if args.tensor_parallel < 1:
         raise UsageError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
-    if args.split_drafter and args.tensor_parallel == 1 and "WORLD_SIZE" not in os.environ:
-        raise UsageError("--split-drafter needs --tensor-parallel > 1")
+    if args.replicate_drafter and args.tensor_parallel == 1 and "WORLD_SIZE" not in os.environ:
+        raise UsageError("--replicate-drafter needs --tensor-parallel > 1")
 
 
 def cmd_generate(args) -> int:
@@ -147,7 +147,7 @@ def generate_on_rank(rank: int, world: int, args) -> dict:
     if world > 1:
         from .parallel import split
 
-        split(target, drafter if args.split_drafter else None, rank, world)
+        split(target, drafter, rank, world, args.replicate_drafter)
         target.fuse(kernels=use_triton_kernels(args.kernels, device))  # on the shards
     if args.chat:
         prompt_ids = tokenizer.apply_chat_template(
@@ -317,8 +317,8 @@ def bench_on_rank(rank: int, world: int, args) -> None:
     if world > 1:
         from .parallel import split
 
-        split(target, drafter if args.split_drafter else None, rank, world)
-        label += f", tensor parallel {world} (drafter {'split' if args.split_drafter else 'replicated'})"
+        how = split(target, drafter, rank, world, args.replicate_drafter)
+        label += f", tensor parallel {world} (drafter {how})"
     run_bench(args, target, drafter, prompts, label, report=rank == 0)
 
 
@@ -348,9 +348,9 @@ def cmd_init_drafter(args) -> int:
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too")
-    p.add_argument("--split-drafter", action="store_true",
-                   help="with --tensor-parallel: split the drafter's layers like the target's instead of "
-                        "running a full copy on every rank")
+    p.add_argument("--replicate-drafter", action="store_true",
+                   help="with --tensor-parallel: run the whole drafter on every rank instead of splitting its "
+                        "layers like the target's (the default when its heads divide)")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -59,13 +59,22 @@ def check_divisible(cfg, world: int, what: str = "the model") -> None:
                          + f" (each must be a multiple of {world})")
 
 
-def split(target: Transformer, drafter, rank: int, world: int) -> None:
-    """Shard the target, and the drafter too when one is given (otherwise it stays replicated)."""
-    if drafter is not None:
-        check_divisible(drafter.config, world, "the drafter")
+def split(target: Transformer, drafter, rank: int, world: int, replicate_drafter: bool = False) -> str:
+    """Shard the target; shard the drafter too unless asked to replicate it or its heads do not divide
+    (measured on 2 H200s, Qwen3-8B shape: splitting is 1-3 % faster per round and saves memory).
+    Returns how the drafter runs: "split", "replicated" or "none"."""
     shard(target, rank, world)
-    if drafter is not None:
-        shard_drafter(drafter, TensorParallel(rank, world) if target.tp is None else target.tp)
+    if drafter is None:
+        return "none"
+    if replicate_drafter:
+        return "replicated"
+    try:
+        check_divisible(drafter.config, world, "the drafter")
+    except ValueError as exc:
+        log.info("%s: every rank runs the whole drafter", exc)
+        return "replicated"
+    shard_drafter(drafter, target.tp)
+    return "split"
 
 
 def _keep_rows(p, rank: int, n: int) -> None:
@@ -142,6 +151,13 @@ def init_from_env(device_type: str) -> tuple[int, int]:
     return rank, world
 
 
+def leave_group() -> None:
+    """Destroy the process groups (once). Under NCCL every rank must do it at about the same time:
+    a rank that waits for a peer's exit before leaving deadlocks with that peer's teardown."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _local_env(rank: int, world: int, port: int) -> dict[str, str]:
     """torchrun-style variables for a group of processes on this host, talking over the loopback device."""
     env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
@@ -168,7 +184,7 @@ def _rank_main(rank: int, world: int, port: int, device_type: str, fn, args, que
         if rank == 0:
             queue.put(result)
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def start_followers(world: int, fn, *args, device_type: str = "cpu") -> list:
@@ -194,7 +210,7 @@ def _follower_main(rank: int, world: int, port: int, device_type: str, parent: i
     os.environ.update(_local_env(rank, world, port))
     init_from_env(device_type)
     fn(rank, world, *args)
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _die_with_parent(parent: int) -> None:

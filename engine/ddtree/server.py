@@ -216,7 +216,7 @@ def load_engine(cfg, rank: int = 0, bar=None):
     if cfg.world > 1:
         from .parallel import split
 
-        split(target, drafter if cfg.split_drafter else None, rank, cfg.world)
+        split(target, drafter, rank, cfg.world, cfg.replicate_drafter)
         target.fuse(kernels=use_triton_kernels(cfg.kernels, device))  # on the shards
     engine = Engine(target, drafter, cfg.method, cfg.budget, max_batch_size=cfg.max_batch_size,
                     max_seq_len=cfg.max_seq_len)
@@ -230,7 +230,7 @@ def serve_follower(rank: int, world: int, cfg) -> int:
     SIGINT and SIGTERM are ignored: rank 0 gets them too (terminal, torchrun, kubelet) and ends the
     followers with the stop command. If rank 0 dies instead, a follower started by rank 0 gets SIGKILL
     (parent-death signal); under torchrun the broadcast it waits in fails on the closed connection."""
-    from .parallel import command_group, follow, init_from_env
+    from .parallel import command_group, follow, init_from_env, leave_group
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
@@ -238,6 +238,7 @@ def serve_follower(rank: int, world: int, cfg) -> int:
     group = command_group()
     engine, _, _ = load_engine(cfg, rank)
     follow(engine, group)
+    leave_group()  # at the same time as rank 0 (NCCL's teardown waits for every rank)
     return 0
 
 
@@ -367,16 +368,23 @@ class EngineServer:
                 clean = True
             except RankFailure as exc:
                 log.warning("could not stop the other ranks: %s", exc)
+        leaving = None
+        if clean:  # NCCL's teardown waits for every rank: leave together with the followers, then join them
+            from .parallel import leave_group
+
+            leaving = threading.Thread(target=leave_group, name="ddtree-leave-group", daemon=True)
+            leaving.start()
         for p in self.followers:
             p.join(timeout if clean else 5.0)
             if p.is_alive():
                 log.warning("killing %s (pid %s): it did not stop", p.name, p.pid)
                 p.kill()
                 p.join()
-        if clean:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+        if leaving is not None:
+            leaving.join(timeout)
+            if leaving.is_alive():
+                log.warning("leaving the tensor parallel group did not finish in %.0f s", timeout)
+                clean = False
         return clean or self.leader is None
 
     # ---- HTTP --------------------------------------------------------------------------------
