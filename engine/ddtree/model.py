@@ -283,16 +283,6 @@ class DecoderLayer(nn.Module):
         return x, h
 
 
-def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """A boolean attention mask as the additive one SDPA would build from it, built once per forward:
-    given a boolean mask, SDPA converts it again in every layer (three small kernels each). Masked
-    entries get the dtype's lowest finite value rather than -inf, so a row with nothing visible (an
-    idle slot) averages garbage instead of producing NaN."""
-    if mask.dtype != torch.bool:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-
-
 class Decoder(nn.Module):
     """Holds the HF `model.*` parameter names."""
 
@@ -392,7 +382,6 @@ class Transformer(nn.Module):
         where tap l is the output of decoder layer l (0-based).
         """
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype)
-        mask = additive_mask(mask, self.lm_head.weight.dtype)
         x = self.embed(tokens)
         taps = {}
         layers = self.model.layers
