@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .model import MLP, KVCache, ModelConfig, RMSNorm, additive_mask, apply_rope, rope_cos_sin, rope_inv_freq
+from .model import MLP, KVCache, ModelConfig, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class DrafterMismatchError(ValueError):
@@ -238,7 +238,6 @@ class DFlashDrafter(nn.Module):
         [bs, P, taps*H]: tapped target hidden states of newly committed tokens (cached here);
         mask [bs, 1, BS, span] over drafter cache slots. Returns normed hidden states [bs, BS, H]."""
         dtype = block_embeds.dtype
-        mask = additive_mask(mask, dtype)
         rope_blk = rope_cos_sin(self.inv_freq, block_positions, dtype)
         ctx = rope_ctx = None
         if ctx_features is not None:
