@@ -438,3 +438,28 @@ def test_smollm2_generates_paris(smollm2):
     completion = tok.decode(out[0, ids.shape[1]:])
     assert completion.startswith(" Paris"), completion
     assert math.isfinite(model(ids).logits.abs().max().item())
+
+
+@pytest.mark.parametrize("shape, overrides", [("tiny", {}), ("qwen3-8b", {"num_hidden_layers": 2, "vocab_size": 4096})])
+def test_random_models_repeat_the_last_token_by_a_wide_margin(shape, overrides):
+    """`random:` models are for cost runs, but their greedy choice must not be a near-tie: the smoke
+    test compares bf16 graphs with eager, which round differently. The next token is the current one,
+    with a margin far above bf16's rounding, and bf16 picks the same tokens as fp32."""
+    model = loading.random_model(shape, "cpu", torch.float32, **overrides)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(0))
+    j = torch.arange(24)
+    mask = (j[None, :] <= j[:, None])[None, None]
+
+    def greedy(m):
+        m.setup_caches(1, 24)
+        with torch.inference_mode():
+            return m(ids, j[None], j[None], mask)[0][0].float()
+
+    logits = greedy(model)
+    top = logits.topk(2, dim=-1).values
+    assert torch.equal(logits.argmax(-1), ids[0])
+    assert (top[:, 0] - top[:, 1]).min() > 5.0
+    assert torch.equal(greedy(model.to(torch.bfloat16)).argmax(-1), ids[0])
+    with pytest.raises(ValueError, match="unknown random shape 'qwen9' \\(known: qwen3-8b, tiny\\)"):
+        loading.random_config("random:qwen9")

@@ -78,8 +78,13 @@ def test_generate_on_a_random_model_is_the_same_split_or_not():
 def nccl_graph_rank(rank, world):
     """Rank `rank` of a 2-GPU NCCL group: the split target's logits against the full model's, and
     ar / dflash / ddtree rounds replayed from CUDA graphs (all-reduces and all-gathers inside)
-    against the full model run eagerly on the same GPU."""
+    against the full model run eagerly on the same GPU. A rank still running after 240 s (in here or
+    in the group teardown that follows) prints its stack and exits, which fails the test."""
+    import faulthandler
+
     from ddtree.loading import random_drafter
+
+    faulthandler.dump_traceback_later(240, exit=True)  # never cancelled: it ends with the process
 
     target = random_target(vocab=256, hidden=256, layers=4, heads=8, kv_heads=4, seed=5).to(f"cuda:{rank}")
     drafter = random_drafter(target, 2, block_size=8, seed=2)

@@ -150,6 +150,8 @@ def generate_on_rank(rank: int, world: int, args) -> dict:
         split(target, drafter, rank, world, args.replicate_drafter)
         target.fuse(kernels=use_triton_kernels(args.kernels, device))  # on the shards
     if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError(f"{args.model}'s tokenizer has no chat template: leave out --chat")
         prompt_ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
         )
@@ -275,8 +277,9 @@ def cmd_bench(args) -> int:
         if device.startswith("cuda") and torch_cuda_count() < args.tensor_parallel:
             raise UsageError(f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} GPUs, "
                              f"this host has {torch_cuda_count()}")
-        from .parallel import launch
+        from .parallel import check_divisible, launch
 
+        check_divisible(target_config(args.model), args.tensor_parallel)
         launch(args.tensor_parallel, bench_on_rank, args, device_type=device.split(":")[0])
     else:
         bench_on_rank(0, 1, args)

@@ -238,7 +238,7 @@ def serve_follower(rank: int, world: int, cfg) -> int:
     group = command_group()
     engine, _, _ = load_engine(cfg, rank)
     follow(engine, group)
-    leave_group()  # at the same time as rank 0 (NCCL's teardown waits for every rank)
+    leave_group(engine)  # at the same time as rank 0 (NCCL's teardown waits for every rank)
     return 0
 
 
@@ -372,7 +372,8 @@ class EngineServer:
         if clean:  # NCCL's teardown waits for every rank: leave together with the followers, then join them
             from .parallel import leave_group
 
-            leaving = threading.Thread(target=leave_group, name="ddtree-leave-group", daemon=True)
+            leaving = threading.Thread(target=leave_group, args=(self.leader.engine,), name="ddtree-leave-group",
+                                       daemon=True)
             leaving.start()
         for p in self.followers:
             p.join(timeout if clean else 5.0)
