@@ -19,6 +19,10 @@ def run_cli(*args, env=None):
     (["generate", "--model", "x", "--method", "ddtree", "--budget", "-3", "--drafter", "d", "--prompt", "hi"],
      "--budget must be >= 0"),
     (["generate", "--model", "x", "--method", "dflash", "--prompt", "hi"], "needs --drafter"),
+    (["generate", "--model", "x", "--method", "dflash", "--budget", "1:8", "--drafter", "d", "--prompt", "hi"],
+     "a budget per batch size needs --method ddtree"),
+    (["generate", "--model", "x", "--budget", "1:eight", "--prompt", "hi"], "BATCH:BUDGET pairs like 1:32,16:8"),
+    (["generate", "--model", "x", "--budget", "0:8", "--prompt", "hi"], "batch sizes and budgets must be >= 1"),
     (["generate", "--model", "x", "--prompt", "hi", "--max-new-tokens", "0", "--method", "ar"], "--max-new-tokens"),
     (["generate", "--prompt", "hi"], "required: --model"),
     (["frobnicate"], "invalid choice"),
@@ -82,3 +86,23 @@ def test_generate_tensor_parallel_matches_and_a_bad_split_is_refused(smollm2):
     r = run_cli("generate", "--model", "smollm2-135m-instruct", "--method", "ar", "--prompt", "x", "--tensor-parallel", "2")
     assert r.returncode == 2 and "tensor parallel 2 does not divide the model: 9 attention heads" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bench_on_cpu_uses_every_prompt_and_recommends_a_budget_per_batch(tmp_path):
+    from ddtree.cli import parse_budget
+
+    r = run_cli("bench", "--model", "random:tiny", "--drafter", "random:1", "--device", "cpu", "--graphs", "off",
+                "--methods", "ar,dflash,ddtree", "--budgets", "4,8", "--batch-sizes", "1,2", "--rounds", "2",
+                "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    rows = [x for x in records if "method" in x]
+    assert len(rows) == 8 and all(x["prompts"] == 4 for x in rows), "batch 1 and 2 cycle through all 4 prompts"
+    best = records[-1]["recommended_budget"]
+    assert set(best["per_batch"]) == {"1", "2"} and best["flag"].startswith("--budget 1:")
+    for batch, entry in best["per_batch"].items():
+        ddtree = [x for x in rows if x["method"] == "ddtree" and x["batch"] == int(batch)]
+        assert entry["tokens_per_second"] == max(x["tokens_per_second"] for x in ddtree)
+        assert {"vs_dflash", "vs_ar"} <= set(entry)
+    assert parse_budget(best["flag"].split()[1]) == {int(b): e["budget"] for b, e in best["per_batch"].items()}
+    assert best["flag"] in (tmp_path / "bench.md").read_text()

@@ -56,6 +56,43 @@ def test_walk_follows_target_decisions():
     assert w.accepted.tolist() == [1] and w.emitted[0, 0].item() == 2
 
 
+def sequential_walk(tree, decisions, row):
+    """The walk as the paper states it: from the root, step to the child the target chose."""
+    path, cur = [0], 0
+    while True:
+        want = decisions[row, cur].item()
+        kids = [i for i in range(tree.size) if tree.valid[row, i] and tree.parents[row, i] == cur
+                and tree.tokens[row, i] == want]
+        if not kids:
+            return path, want
+        cur = kids[0]
+        path.append(cur)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_vectorised_walk_equals_sequential_walk(seed):
+    """Random top-B trees (with padding) and target decisions that often follow the tree."""
+    from ddtree.tree import build_ddtree
+
+    g = torch.Generator().manual_seed(seed)
+    vocab, depth, budget = 3 + seed % 3, 6, 4 + 5 * seed
+    tree = build_ddtree(torch.zeros(4, dtype=torch.long), torch.randn(4, depth, vocab, generator=g) * 3, budget)
+    # the target's decision at a node: usually its most probable child in the tree, sometimes random
+    decisions = torch.randint(0, vocab, (4, tree.size), generator=g)
+    follow = torch.rand(4, tree.size, generator=g) < 0.8
+    for r in range(4):
+        for i in range(tree.size):
+            kids = [j for j in range(tree.size) if tree.valid[r, j] and tree.parents[r, j] == i]
+            if kids and follow[r, i]:
+                decisions[r, i] = tree.tokens[r, kids[0]]
+    w = walk(tree, decisions, max_depth=depth)
+    for r in range(4):
+        path, bonus = sequential_walk(tree, decisions, r)
+        assert w.accepted[r].item() == len(path) and w.bonus[r].item() == bonus
+        assert w.path[r].tolist() == path + [path[-1]] * (depth + 1 - len(path))
+        assert w.emitted[r, : len(path)].tolist() == [tree.tokens[r, i].item() for i in path[1:]] + [bonus]
+
+
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 0), ("ddtree", 1), ("ddtree", 4),
                                            ("ddtree", 15), ("ddtree", 32), ("ddtree", 64)])
 def test_greedy_equals_ar_random_drafter(tiny_target, tiny_drafter, method, budget):
@@ -156,6 +193,31 @@ def test_bad_requests_are_refused(tiny_target, tiny_drafter):
         Engine(tiny_target, None, "beam")
     with pytest.raises(ValueError, match="budget must be >= 0"):
         Engine(tiny_target, tiny_drafter, "ddtree", -1)
+
+
+def test_budget_per_batch_size(tiny_target, tiny_drafter):
+    """A {batch size: budget} policy: each round builds the tree of its batch size's budget, and output
+    stays plain decoding's, with long accepted paths (the oracle drafter)."""
+    ref = reference(tiny_target)
+    full = [p + r.token_ids for p, r in zip(PROMPTS, ref)]
+    eng = OracleEngine(tiny_target, tiny_drafter, "ddtree", {1: 4, 2: 32, 3: 12}, max_batch_size=3, max_seq_len=96,
+                       continuations=full)
+    assert (eng.budget, eng.tree_size) == (32, 33), "buffers fit the largest budget"
+    assert [eng.budget_for(n) for n in (1, 2, 3, 7)] == [4, 32, 12, 12]
+    assert [eng.tree_size_for(n) for n in (1, 2, 3)] == [5, 33, 13]
+    sizes = []
+    build = eng.build_tree
+    eng.build_tree = lambda n, span: sizes.append((n, (tree := build(n, span)).size)) or tree
+    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))
+    assert [r.token_ids for r in res] == [r.token_ids for r in ref]
+    eng.continuations = full[1:2]
+    alone = eng.generate(PROMPTS[1:2], SamplingParams(max_new_tokens=40))[0]
+    assert alone.token_ids == ref[1].token_ids and alone.acceptance_length > 2.0
+    assert (3, 13) in sizes and (1, 5) in sizes and all(size == eng.tree_size_for(n) for n, size in sizes)
+    with pytest.raises(ValueError, match="needs method 'ddtree'"):
+        Engine(tiny_target, tiny_drafter, "dflash", {1: 8})
+    with pytest.raises(ValueError, match=">= 1"):
+        Engine(tiny_target, tiny_drafter, "ddtree", {1: 0})
 
 
 def test_drafter_for_another_target_is_refused(tiny_target):

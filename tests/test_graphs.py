@@ -35,6 +35,14 @@ def test_uncaptured_shape_is_a_clear_error_naming_both_shapes():
         RoundGraphs(engine, [8])
 
 
+def test_budget_per_batch_size_changes_only_at_graph_buckets():
+    engine = make(budget={1: 16, 3: 8})
+    with pytest.raises(GraphShapeError, match=r"changes at batch sizes \[3\], which are not graph batch buckets"):
+        RoundGraphs(engine, [1, 2, 4])
+    graphs = RoundGraphs(make(budget={1: 16, 2: 8}), [1, 2, 4])
+    assert [graphs.shape(b, 128, False).verify_tokens for b in (1, 2, 4)] == [17, 9, 9]
+
+
 def test_fallback_runs_eagerly_and_the_smoke_test_reports_it():
     engine = make()
     engine.graphs = RoundGraphs(engine, [1], span_buckets=[128], fallback=True)

@@ -107,6 +107,66 @@ def check_add_rms_norm(device, dtype, n):
     assert torch.equal(x, x.clone()) and normed.data_ptr() != x.data_ptr() != res.data_ptr()
 
 
+def check_attention(device, dtype, cases):
+    """The chunked attention equals SDPA over the cache rows and span the mask selects."""
+    from ddtree.kernels import attention
+
+    g = torch.Generator().manual_seed(7)
+    for bs, heads, kv_heads, T, hd, span, rows_given, broadcast in cases:
+        max_batch, slots = bs + 1, span + 9
+        kc = torch.randn(max_batch, kv_heads, slots, hd, generator=g).to(device, dtype)
+        vc = torch.randn(max_batch, kv_heads, slots, hd, generator=g).to(device, dtype)
+        q = torch.randn(bs, heads, T, hd, generator=g).to(device, dtype)
+        mask = torch.rand(1 if broadcast else bs, 1, T, span, generator=g) < 0.6
+        mask[..., 0] = True  # every query sees a key (as in the engine: itself at least)
+        mask = mask.to(device)
+        rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
+        out = attention(q, kc, vc, mask, rows)
+        sel = rows if rows_given else torch.arange(bs, device=device)
+        ref = F.scaled_dot_product_attention(q.float(), kc[sel, :, :span].float(), vc[sel, :, :span].float(),
+                                             attn_mask=mask, enable_gqa=heads != kv_heads)
+        assert out.shape == (bs, T, heads * hd) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.transpose(1, 2).reshape(bs, T, -1), **TOL[dtype])
+
+
+ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask broadcast over the batch)
+    (2, 4, 2, 5, 16, 200, False, False), (1, 4, 1, 33, 12, 130, False, True), (3, 2, 2, 1, 16, 64, True, False),
+    (2, 8, 2, 1, 16, 100, True, False), (1, 8, 2, 16, 16, 150, False, True),  # 4 heads per program: 4 and 64 rows
+    (1, 2, 1, 130, 16, 260, True, False),  # 3 blocks of rows (B = 129)
+]
+
+
+def check_best_first_tree(device):
+    """The one-launch tree equals the tensorised top-B (as sets of token paths) with the same structure
+    rules; includes padding (fewer prefixes than the budget) and probability-one rows (score ties)."""
+    from test_tree import brute_force_top_b, check_structure, tree_paths
+
+    from ddtree.tree import ancestor_mask, build_ddtree
+
+    cases = [(2, 3, 10), (3, 2, 4), (1, 4, 7), (4, 3, 40), (15, 50, 32), (15, 300, 128)]  # (D, V, B)
+    for case, (depth, vocab, budget) in enumerate(cases):
+        g = torch.Generator().manual_seed(case)
+        logits = torch.randn(3, depth, vocab, generator=g) * 2
+        if depth > 4:
+            logits[1, ::2, 3] = 200.0  # probability 1 in fp32: a child ties its parent's score
+        logits = logits.to(device)
+        roots = torch.tensor([5, 6, 7], device=device)
+        ref = build_ddtree(roots, logits, budget)
+        got = build_ddtree(roots, logits, budget, kernel=True)
+        assert got.tokens.shape == (3, budget + 1) and got.visible.shape == (3, budget + 1, budget + 1)
+        got = type(got)(*(t.cpu() for t in (got.tokens, got.parents, got.depth, got.valid, got.visible)))
+        assert torch.equal(got.valid, ref.valid.cpu()), case
+        for row in range(3):
+            check_structure(got, row)
+            assert set(tree_paths(got, row)) == set(tree_paths(ref, row)), (case, row)
+            if vocab ** depth <= 4000:
+                assert set(tree_paths(got, row)) == brute_force_top_b(torch.log_softmax(logits[row].cpu().double(), -1), budget)
+        valid = got.valid[:, :, None] & got.valid[:, None, :]
+        eye = torch.eye(budget + 1, dtype=torch.bool)
+        assert torch.equal(got.visible, torch.where(valid, ancestor_mask(got.parents.clamp(min=-1)), eye)), case
+        assert got.tokens[:, 0].tolist() == [5, 6, 7] and got.parents[:, 0].tolist() == [-1] * 3
+
+
 def tiny_qwen3(seed=0, qk_norm=True, bias=True, layers=3) -> Transformer:
     """Qwen3-like (q/k norm, GQA) with q/k/v biases (Qwen2), so every branch of the kernels is used."""
     torch.manual_seed(seed)
@@ -196,6 +256,35 @@ def test_model_with_kernels_equals_without(qk_norm):
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention(dtype):
+    check_attention("cpu", dtype, ATTENTION_CASES)
+
+@interp
+def test_best_first_tree_kernel_equals_the_tensorised_tree():
+    check_best_first_tree("cpu")
+
+
+@interp
+def test_engine_with_kernels_is_lossless():
+    """ddtree and dflash rounds with the Triton kernels (tree kernel included) emit plain decoding's
+    greedy tokens."""
+    from tiny_models import random_target
+
+    from ddtree.drafter import DrafterConfig, init_drafter
+    from ddtree.engine import Engine, SamplingParams
+
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    params = SamplingParams(max_new_tokens=8)
+    target = random_target(seed=3)
+    target.fuse(kernels=True)
+    expect = [r.token_ids for r in Engine(target, method="ar", max_batch_size=2).generate(prompts, params)]
+    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=8), seed=4)
+    for method, budget in (("ddtree", 20), ("dflash", None)):
+        engine = Engine(target, drafter, method=method, budget=budget, max_batch_size=2)
+        assert [r.token_ids for r in engine.generate(prompts, params)] == expect, method
+
+@interp
 def test_switch_is_explicit_and_dropped_on_move():
     model = tiny_qwen3()
     assert not model.kernels
@@ -265,6 +354,20 @@ def test_kernels_compile_for_h200_without_a_gpu():
                          dict(N_HEADS=32, HALF=64, BLOCK=64, HAS_NORM=norm, HAS_ROWS=rows), 1)
         compile_(K._silu_mul_kernel, dtype, dict(inter="i32"), dict(BLOCK=1024), 4)
         k = compile_(K._add_rms_norm_kernel, dtype, dict(N="i32", eps="fp32"), dict(BLOCK=4096), 8)
+        if dtype == "fp32":
+            compile_(K._best_first_tree_kernel, dtype,
+                     dict(top_tok_ptr="*i64", roots_ptr="*i64", tokens_ptr="*i64", parents_ptr="*i64",
+                          depth_ptr="*i64", valid_ptr="*i8", visible_ptr="*i8", D="i32", K="i32", N="i32"),
+                     dict(B=128, CAP=256, N_PAD=256), 4)
+        for rows in (False, True):
+            compile_(K._attention_partial_kernel, dtype,
+                     dict(mask_ptr="*i8", rows_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", T="i32", span="i32",
+                          scale="fp32"),
+                     dict(H=32, GROUP=4, HPP=4, D=128, CHUNK=128, SPLITS=9, ROW_BLOCKS=2, BLOCK_M=64, BLOCK_N=64,
+                          BLOCK_D=128,
+                          HAS_ROWS=rows, FP32_DOT=False, PRECISION="ieee" if dtype == "fp32" else "tf32"), 4)
+        compile_(K._attention_combine_kernel, dtype, dict(acc_ptr="*fp32", ml_ptr="*fp32", T="i32"),
+                 dict(H=32, D=128, SPLITS=9, S_PAD=16, BLOCK_D=128), 2)
         assert k.asm["cubin"]
         if dtype == "bf16":
             assert "cvt.rn.bf16.f32" in k.asm["ptx"]
@@ -285,6 +388,10 @@ def test_compiled_kernels_equal_the_reference(dtype):
         check_silu_mul("cuda", dtype, inter)
     for n in (48, 300, 4096):
         check_add_rms_norm("cuda", dtype, n)
+    check_best_first_tree("cuda")
+    check_attention("cuda", dtype, ATTENTION_CASES + [(1, 32, 8, 33, 128, 1152, False, False),
+                                                      (16, 32, 8, 1, 128, 1152, True, False), (4, 9, 3, 16, 64, 300, False, True),
+                                                      (2, 9, 3, 129, 64, 1200, False, False)])
 
 
 @gpu

@@ -171,6 +171,9 @@ class ScriptedEngine:
         self.gate = threading.Event()
         self.gate.set()
 
+    def tree_size_for(self, n):
+        return self.tree_size
+
     def add(self, slot, prompt, params):
         tokens, sizes = self.scripts[prompt[0]]
         rounds, i = [], 1

@@ -156,10 +156,15 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
     if graphs:
         row["capture_seconds"] = round(engine.capture_graphs([batch], [engine.max_slots]), 3)
     params = SamplingParams(max_new_tokens=max_seq - max(len(p) for p in prompts))
-    for i in range(batch):
-        engine.add(i, prompts[i % len(prompts)], params)
-    for _ in range(2):  # warm-up
-        engine.step(batch)
+
+    def start_group(group: int) -> None:
+        for i in range(batch):
+            engine.release(i)
+            engine.add(i, prompts[(group * batch + i) % len(prompts)], params)
+        for _ in range(2):  # warm-up (and, in group 0, the first replays)
+            engine.step(batch)
+
+    start_group(0)
     if profile_phases and cuda and not graphs:
         engine.phase_events = []
         engine.step(batch)
@@ -170,15 +175,21 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
             name: round(start.elapsed_time(end), 3)
             for (_, start), (name, end) in zip(marks, marks[1:])
         }
-    start = time.perf_counter()
-    emitted = 0
-    for _ in range(rounds):
-        emitted += sum(len(t) for t in engine.step(batch))  # each step ends with the host readout: synced
-    seconds = time.perf_counter() - start
+    # every prompt takes part: below len(prompts) sequences, the groups of `batch` prompts run in turn
+    groups = max(1, len(prompts) // batch)
+    emitted, seconds = 0, 0.0
+    for group in range(groups):
+        if group:
+            start_group(group)
+        start = time.perf_counter()
+        for _ in range(rounds):
+            emitted += sum(len(t) for t in engine.step(batch))  # each step ends with the host readout: synced
+        seconds += time.perf_counter() - start
     row.update(
-        ms_per_round=round(seconds / rounds * 1000, 3),
-        acceptance_length=round(emitted / (rounds * batch), 3),
+        ms_per_round=round(seconds / (rounds * groups) * 1000, 3),
+        acceptance_length=round(emitted / (rounds * groups * batch), 3),
         tokens_per_second=round(emitted / seconds, 1),
+        prompts=min(len(prompts), groups * batch),
     )
     if cuda:
         row["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -240,6 +251,28 @@ def capture_all(target, drafter, ctx: int, budget: int = 32) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def recommend_budget(rows: list[dict]) -> dict | None:
+    """The measured fastest `ddtree` budget per batch size, as a `--budget` value for serve/generate,
+    with how it compares to `dflash` and `ar` at that batch size (graph rows when there are any)."""
+    timed = [r for r in rows if "tokens_per_second" in r]
+    if any(r.get("graphs") for r in timed):
+        timed = [r for r in timed if r.get("graphs")]
+    per_batch = {}
+    for batch in sorted({r["batch"] for r in timed if r["method"] == "ddtree"}):
+        at = [r for r in timed if r["batch"] == batch]
+        best = max((r for r in at if r["method"] == "ddtree"), key=lambda r: r["tokens_per_second"])
+        entry = {"budget": best["budget"], "tokens_per_second": best["tokens_per_second"]}
+        for other in ("dflash", "ar"):
+            speeds = [r["tokens_per_second"] for r in at if r["method"] == other]
+            if speeds:
+                entry[f"vs_{other}"] = round(best["tokens_per_second"] / max(speeds), 3)
+        per_batch[batch] = entry
+    if not per_batch:
+        return None
+    flag = ",".join(f"{batch}:{e['budget']}" for batch, e in per_batch.items())
+    return {"flag": f"--budget {flag}", "per_batch": per_batch}
 
 
 def markdown(rows: list[dict], title: str) -> str:
@@ -305,9 +338,15 @@ def run_bench(args, target, drafter, prompts, label: str, report: bool = True) -
             row = hf_baseline(target, batch, prompts, args.rounds)
             results["rows"].append(row)
             emit(row)
+    results["recommended_budget"] = recommend_budget(results["rows"])
+    if results["recommended_budget"]:
+        emit({"recommended_budget": results["recommended_budget"]})
     if args.out and report:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(results, indent=1))
-        (out / "bench.md").write_text(markdown(results["rows"], label))
+        md = markdown(results["rows"], label)
+        if results["recommended_budget"]:
+            md += f"\nFastest `ddtree` budget per batch size: `{results['recommended_budget']['flag']}`\n"
+        (out / "bench.md").write_text(md)
     return results

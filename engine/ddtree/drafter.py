@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
 from .model import MLP, KVCache, ModelConfig, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -161,6 +162,7 @@ class DrafterAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.kv_cache: KVCache | None = None
         self.tp = None  # parallel.TensorParallel when split (parallel.shard_drafter): o_proj outputs are partial sums
+        self.kernels = False  # kernels.attention instead of SDPA, see DFlashDrafter.use_kernels()
 
     def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         bs, T, _ = x.shape
@@ -178,9 +180,13 @@ class DrafterAttention(nn.Module):
         self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
         q = self.q_norm(self.q_proj(x).view(bs, T, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *rope_blk)
-        k_all, v_all = self.kv_cache.read(bs, mask.shape[-1])
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-        out = self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
+        if self.kernels:
+            out = kernels.attention(q.contiguous(), self.kv_cache.k, self.kv_cache.v, mask, None)
+        else:
+            k_all, v_all = self.kv_cache.read(bs, mask.shape[-1])
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+            out = out.transpose(1, 2).reshape(bs, T, -1)
+        out = self.o_proj(out)
         return self.tp.all_reduce(out) if self.tp else out
 
 
@@ -209,6 +215,11 @@ class DFlashDrafter(nn.Module):
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
         self.max_batch = self.max_slots = 0
+
+    def use_kernels(self, on: bool) -> None:
+        """Block attention by kernels.attention (CUDA, or CPU under the Triton interpreter) or SDPA."""
+        for layer in self.layers:
+            layer.self_attn.kernels = on
 
     @property
     def block_size(self) -> int:

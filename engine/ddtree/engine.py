@@ -63,7 +63,7 @@ class Engine:
         target: Transformer,
         drafter: DFlashDrafter | None = None,
         method: str = "ddtree",
-        budget: int | None = None,
+        budget: int | dict[int, int] | None = None,
         max_batch_size: int = 1,
         max_seq_len: int = 2048,
     ):
@@ -71,6 +71,14 @@ class Engine:
             raise ValueError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
         if method != "ar" and drafter is None:
             raise ValueError(f"method '{method}' needs a drafter")
+        # a budget per batch size: {max batch: budget}, the last entry also for larger batches
+        self.budget_policy = sorted(budget.items()) if isinstance(budget, dict) else None
+        if self.budget_policy is not None:
+            if method != "ddtree" or not self.budget_policy:
+                raise ValueError("a budget per batch size needs method 'ddtree' and at least one entry")
+            if any(n < 1 or b < 1 for n, b in self.budget_policy):
+                raise ValueError(f"budget per batch size needs batch sizes and budgets >= 1, got {budget}")
+            budget = max(b for _, b in self.budget_policy)
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         if drafter is not None:
@@ -98,6 +106,7 @@ class Engine:
         self.device = dev = target.lm_head.weight.device
         if self.drafter is not None:
             self.drafter.setup_caches(max_batch_size, self.max_slots)
+            self.drafter.use_kernels(target.kernels)  # the target's choice of Triton kernels holds for both
         self.mask_token_id = self.drafter.config.mask_token_id if self.drafter else 0
 
         # persistent per-slot state, written in place
@@ -163,6 +172,16 @@ class Engine:
 
     # ---- one round --------------------------------------------------------------------------
 
+    def budget_for(self, n: int) -> int:
+        """The DDTree budget of a round on n slots (self.budget, the largest, without a policy)."""
+        if self.budget_policy is None:
+            return self.budget
+        return next((b for max_n, b in self.budget_policy if n <= max_n), self.budget_policy[-1][1])
+
+    def tree_size_for(self, n: int) -> int:
+        """Target tokens per sequence in a round on n slots."""
+        return self.budget_for(n) + 1 if self.method == "ddtree" and self.drafter is not None else self.tree_size
+
     def span_needed(self, n: int) -> int:
         """Cache slots a round on slots [0, n) attends over: the longest text plus the tree or block."""
         return max(self.host_lengths[:n]) + max(self.tree_size, self.block_size)
@@ -193,7 +212,7 @@ class Engine:
         self._mark("draft")
         if self.method == "dflash":
             return build_chain(self.bonus[:n], draft_logits)
-        return build_ddtree(self.bonus[:n], draft_logits, self.budget)
+        return build_ddtree(self.bonus[:n], draft_logits, self.budget_for(n), kernel=self.target.kernels)
 
     def round(self, n: int, span: int, sampling: bool) -> None:
         """One draft-tree-verify-walk-commit round on slots [0, n), attending over `span` cache slots.
@@ -208,7 +227,7 @@ class Engine:
         slots = lengths[:, None] + torch.arange(tree.size, device=dev)
         mask = tree_mask(lengths, tree.visible, span)
         logits, taps = self.target(tree.tokens, lengths[:, None] + tree.depth, slots, mask, self.tap_layers)
-        self.node_max_logit[:n].copy_(logits.amax(-1))  # what the smoke test compares with eager
+        self.node_max_logit[:n, : tree.size].copy_(logits.amax(-1))  # what the smoke test compares with eager
         decisions = decide(logits, self.temperature[:n], self.top_p[:n], self.generator, sampling)
         self._mark("verify")
         w = walk(tree, decisions, self.max_depth)

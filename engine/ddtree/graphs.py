@@ -24,7 +24,7 @@ class RoundShape:
     batch: int  # sequences per replay (slots [0, batch))
     span: int  # cache slots attended over
     draft_tokens: int  # drafter queries per sequence (block_size; 0 without a drafter)
-    verify_tokens: int  # target tokens per sequence (budget + 1)
+    verify_tokens: int  # target tokens per sequence (this batch's budget + 1)
     sampling: bool
 
     def describe(self) -> str:
@@ -48,6 +48,12 @@ class RoundGraphs:
             raise GraphShapeError(f"batch buckets {bad} outside 1..max_batch_size={engine.max_batch_size}")
         self.engine = engine
         self.batch_buckets = sorted(set(batch_buckets))
+        # a replay runs the bucket's round, so a budget that changes between two buckets would differ from
+        # the eager round on the same slots
+        off = [n for n, _ in engine.budget_policy or () if n not in self.batch_buckets and n < self.batch_buckets[-1]]
+        if off:
+            raise GraphShapeError(f"the budget per batch size changes at batch sizes {off}, which are not graph "
+                                  f"batch buckets {self.batch_buckets}; use bucket sizes")
         # a span never exceeds the cache (its last slot, the trash slot, is never attended)
         self.span_buckets = sorted({min(s, engine.max_slots) for s in span_buckets or default_span_buckets(engine.max_slots)})
         self.fallback = fallback
@@ -58,7 +64,7 @@ class RoundGraphs:
 
     def shape(self, batch: int, span: int, sampling: bool) -> RoundShape:
         e = self.engine
-        return RoundShape(batch, span, e.block_size if e.drafter is not None else 0, e.tree_size, sampling)
+        return RoundShape(batch, span, e.block_size if e.drafter is not None else 0, e.tree_size_for(batch), sampling)
 
     @torch.inference_mode()
     def capture(self, sampling: tuple[bool, ...] = (False,)) -> float:

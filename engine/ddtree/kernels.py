@@ -124,6 +124,148 @@ if triton is not None:
         w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * out_s + c, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _best_first_tree_kernel(
+        top_lp_ptr, top_tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depth_ptr, valid_ptr, visible_ptr,
+        D, K, N, B: tl.constexpr, CAP: tl.constexpr, N_PAD: tl.constexpr,
+    ):
+        # one program per sequence. Candidate c = the rank-r child at depth d of node `par`, whose
+        # path score is `pscore`; popping node i pushes its next sibling into slot 2i - 1 and its
+        # first child into slot 2i, so slots never collide and the frontier needs no counter.
+        b = tl.program_id(0).to(tl.int64)
+        lp = top_lp_ptr + b * D * K
+        tok = top_tok_ptr + b * D * K
+        c = tl.arange(0, CAP)
+        score = tl.where(c == 0, tl.load(lp), float("-inf"))
+        pscore = tl.zeros([CAP], dtype=tl.float32)
+        par = tl.zeros([CAP], dtype=tl.int32)
+        dep = tl.full([CAP], 1, dtype=tl.int32)
+        rank = tl.zeros([CAP], dtype=tl.int32)
+        cols = tl.arange(0, N_PAD)
+        vis = visible_ptr + b * N * N
+        out = b * N
+        tl.store(tokens_ptr + out, tl.load(roots_ptr + b))
+        tl.store(parents_ptr + out, -1)
+        tl.store(depth_ptr + out, 0)
+        tl.store(valid_ptr + out, 1)
+        tl.store(vis + cols, (cols == 0).to(tl.int8), mask=cols < N)
+        for j in range(B):
+            i = j + 1  # node i; node 0 is the root
+            tl.debug_barrier()  # the parent's visible row, stored by other threads, is read below
+            best = tl.argmax(score, axis=0, tie_break_left=True)
+            s = tl.max(score, axis=0)
+            pick = c == best
+            p_i = tl.sum(tl.where(pick, par, 0), axis=0)
+            d_i = tl.sum(tl.where(pick, dep, 0), axis=0)
+            r_i = tl.sum(tl.where(pick, rank, 0), axis=0)
+            ps_i = tl.sum(tl.where(pick, pscore, 0.0), axis=0)
+            ok = s > float("-inf")  # false once fewer prefixes exist than the budget: padding
+            score = tl.where(pick, float("-inf"), score)
+            row = tl.load(vis + p_i * N + cols, mask=cols < N, other=0) != 0
+            tl.store(vis + i * N + cols, (tl.where(ok, row, cols < 0) | (cols == i)).to(tl.int8), mask=cols < N)
+            tl.store(tokens_ptr + out + i, tl.load(tok + (d_i - 1) * K + r_i, mask=ok, other=0))
+            tl.store(parents_ptr + out + i, tl.where(ok, p_i, 0))
+            tl.store(depth_ptr + out + i, tl.where(ok, d_i, 1))
+            tl.store(valid_ptr + out + i, ok.to(tl.int8))
+            # next sibling: same parent, next rank at this depth
+            sib_ok = ok & (r_i + 1 < K)
+            sib = tl.load(lp + (d_i - 1) * K + r_i + 1, mask=sib_ok, other=0.0)
+            at = c == 2 * i - 1
+            score = tl.where(at, tl.where(sib_ok, ps_i + sib, float("-inf")), score)
+            pscore = tl.where(at, ps_i, pscore)
+            par = tl.where(at, p_i, par)
+            dep = tl.where(at, d_i, dep)
+            rank = tl.where(at, r_i + 1, rank)
+            # first child: one level deeper, rank 0
+            kid_ok = ok & (d_i < D)
+            kid = tl.load(lp + d_i * K, mask=kid_ok, other=0.0)
+            at = c == 2 * i
+            score = tl.where(at, tl.where(kid_ok, s + kid, float("-inf")), score)
+            pscore = tl.where(at, s, pscore)
+            par = tl.where(at, i, par)
+            dep = tl.where(at, d_i + 1, dep)
+            rank = tl.where(at, 0, rank)
+
+    @triton.jit
+    def _attention_partial_kernel(
+        q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, acc_ptr, ml_ptr,
+        T, span, scale,
+        q_sb, q_sh, q_st, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, m_sb, m_st, m_ss, rows_s,
+        H: tl.constexpr, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+        SPLITS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        # program (sequence b, HPP query heads sharing one KV head, a block of their rows, key chunk s):
+        # a softmax over that chunk's keys, kept unnormalised with its row max and row sum for the combine
+        # kernel (flash-decoding). Row r is query token r % T of head h0 + r // T, so heads that share a
+        # KV head read its keys once.
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        block = pid % ROW_BLOCKS
+        pid = pid // ROW_BLOCKS
+        b = (pid // (H // HPP)).to(tl.int64)
+        h0 = (pid % (H // HPP)) * HPP
+        kvh = h0 // GROUP
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + b * rows_s)
+        else:
+            row = b
+        r = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        head = h0 + r // T
+        t = r % T
+        used = r < HPP * T
+        d = tl.arange(0, BLOCK_D)
+        j0 = tl.arange(0, BLOCK_N)
+        q = tl.load(q_ptr + b * q_sb + head[:, None] * q_sh + t[:, None] * q_st + d[None, :],
+                    mask=used[:, None] & (d[None, :] < D), other=0.0)
+        if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        kbase = k_ptr + row * k_sb + kvh * k_sh
+        vbase = v_ptr + row * v_sb + kvh * v_sh
+        for n0 in range(0, CHUNK, BLOCK_N):
+            j = split * CHUNK + n0 + j0
+            live = j < span
+            k = tl.load(kbase + j[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+            v = tl.load(vbase + j[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+            if FP32_DOT:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            seen = tl.load(mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
+                           mask=used[:, None] & live[None, :], other=0) != 0
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(seen, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        part = ((b * H + head) * SPLITS + split) * T + t  # [bs, heads, splits, T]
+        tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=used[:, None])
+        tl.store(ml_ptr + part * 2, m_i, mask=used)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=used)
+
+    @triton.jit
+    def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, o_sb, o_st, o_sh,
+                                  H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+                                  BLOCK_D: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, BLOCK_D)
+        part = (bh * SPLITS + s) * T + t
+        m = tl.load(ml_ptr + part * 2, mask=s < SPLITS, other=float("-inf"))
+        l = tl.load(ml_ptr + part * 2 + 1, mask=s < SPLITS, other=0.0)
+        top = tl.max(m, axis=0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+        acc = tl.load(acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(out_ptr + b * o_sb + t * o_st + h * o_sh + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
 
 def qk_norm_rope_kv(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, q_norm_w: Tensor | None,
                     k_norm_w: Tensor | None, eps: float, k_cache: Tensor, v_cache: Tensor,
@@ -187,3 +329,80 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
             x2, r2, weight, normed, res, n, eps, x2.stride(0), r2.stride(0), normed.stride(0), res.stride(0),
             BLOCK=block, num_warps=min(16, max(1, block // 512)))
     return normed.view(x.shape), res.view(x.shape)
+
+
+def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int):
+    """DDTree's top-`budget` prefixes by the paper's best-first expansion, one program per sequence.
+
+    top_lp / top_tok [bs, D, K]: each draft row's K most probable log-probabilities (descending) and
+    tokens. Returns tokens, parents, depth [bs, N] (int64), valid [bs, N] and visible [bs, N, N]
+    (bool), N = budget + 1, nodes in pop order (so a parent precedes its children); padded nodes
+    (fewer prefixes than the budget) are invalid and see only themselves."""
+    bs, depth, k = top_lp.shape
+    n, dev = budget + 1, top_lp.device
+    top_lp, top_tok = top_lp.float().contiguous(), top_tok.contiguous()
+    tokens = torch.empty(bs, n, dtype=torch.long, device=dev)
+    parents, node_depth = torch.empty_like(tokens), torch.empty_like(tokens)
+    valid = torch.empty(bs, n, dtype=torch.int8, device=dev)
+    visible = torch.empty(bs, n, n, dtype=torch.bool, device=dev)
+    _best_first_tree_kernel[(bs,)](
+        top_lp, top_tok, roots.contiguous(), tokens, parents, node_depth, valid, visible.view(torch.int8),
+        depth, k, n, B=budget, CAP=triton.next_power_of_2(2 * budget + 1), N_PAD=triton.next_power_of_2(n),
+        num_warps=4,
+    )
+    return tokens, parents, node_depth, valid.bool(), visible
+
+
+
+# query tokens per sequence up to which `attention` replaces SDPA in the model: every tree width up to
+# B = 255 (from 2 tokens: for one, SDPA's decode kernel measured as fast at batch 1 and 0.55 ms per
+# step faster at batch 64 on the 8B shape)
+ATTENTION_MAX_TOKENS = 256
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: Tensor | None,
+              chunk: int = 128) -> Tensor:
+    """Masked attention of a few query tokens over the cache (a verify, the drafter's block).
+
+    q [bs, heads, T, hd]; caches [max_batch, kv_heads, slots, hd] (GQA: heads a multiple of kv_heads);
+    mask [bs, 1, T, span] bool (broadcast strides are fine) says which of the first `span` slots each
+    query sees; rows [bs] cache rows (None: 0..bs-1). Returns [bs, T, heads * hd], the layout o_proj takes.
+
+    SDPA spent ~49 us a layer on a 33-token verify at 1024 tokens of context (one program per head
+    streamed every key, most SMs idle, and the boolean mask became an additive one). Here the keys are
+    split into chunks of `chunk` slots, one program per (sequence, heads sharing a KV head, chunk), and
+    a second kernel merges the chunks' softmaxes: flash-decoding with the mask read as is."""
+    bs, heads, T, hd = q.shape
+    kv_heads, span = k_cache.shape[1], mask.shape[-1]
+    assert heads % kv_heads == 0 and span <= k_cache.shape[2]
+    mask = mask.expand(bs, 1, T, span)
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    out = torch.empty(bs, T, heads, hd, dtype=q.dtype, device=q.device)
+    if bs * T == 0:
+        return out.view(bs, T, heads * hd)
+    group = heads // kv_heads
+    # query heads of one KV head share a program while their rows fit a 64-row tile; longer rows
+    # (a tree of more than 63 nodes) are cut into blocks of 64
+    per_program = max((n for n in (1, 2, 4, 8, 16) if group % n == 0 and n * T <= 64), default=1)
+    block_m, block_d = min(64, max(16, triton.next_power_of_2(per_program * T))), max(16, triton.next_power_of_2(hd))
+    row_blocks = triton.cdiv(per_program * T, block_m)
+    splits = triton.cdiv(span, chunk)
+    acc = torch.empty(bs * heads * splits * T, block_d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(bs * heads * splits * T, 2, dtype=torch.float32, device=q.device)
+    m8 = mask.view(torch.int8)
+    _attention_partial_kernel[(bs * heads // per_program * row_blocks, splits)](
+        q, k_cache, v_cache, m8, rows if rows is not None else m8, acc, ml,
+        T, span, hd ** -0.5,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m8.stride(0), m8.stride(2), m8.stride(3),
+        rows.stride(0) if rows is not None else 0,
+        H=heads, GROUP=group, HPP=per_program, D=hd, CHUNK=chunk, SPLITS=splits, ROW_BLOCKS=row_blocks, BLOCK_M=block_m,
+        BLOCK_N=min(64, chunk), BLOCK_D=block_d, HAS_ROWS=rows is not None, FP32_DOT=q.device.type == "cpu",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+    )
+    _attention_combine_kernel[(bs * heads, T)](
+        acc, ml, out, T, out.stride(0), out.stride(1), out.stride(2),
+        H=heads, D=hd, SPLITS=splits, S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        num_warps=1 if block_d <= 64 else 2,
+    )
+    return out.view(bs, T, heads * hd)

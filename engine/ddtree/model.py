@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
+
 
 @dataclass
 class ModelConfig:
@@ -124,13 +126,19 @@ class KVCache(nn.Module):
     """Static per-layer cache [max_batch, kv_heads, max_slots + 1, head_dim].
 
     The extra last slot is a trash slot: padded tokens write there and no mask ever shows it.
+    `storage` [2, max_batch, kv_heads, max_slots + 1, head_dim], when given, is where k and v live
+    (the target keeps all layers in one buffer so that compaction is one gather, not one per layer).
     """
 
-    def __init__(self, max_batch: int, kv_heads: int, max_slots: int, head_dim: int, dtype, device):
+    def __init__(self, max_batch: int, kv_heads: int, max_slots: int, head_dim: int, dtype, device,
+                 storage: Tensor | None = None):
         super().__init__()
         shape = (max_batch, kv_heads, max_slots + 1, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        if storage is None:
+            storage = torch.zeros((2, *shape), dtype=dtype, device=device)
+        assert storage.shape == (2, *shape), f"cache storage {tuple(storage.shape)} is not {(2, *shape)}"
+        self.register_buffer("k", storage[0], persistent=False)
+        self.register_buffer("v", storage[1], persistent=False)
 
     @property
     def trash_slot(self) -> int:
@@ -150,15 +158,6 @@ class KVCache(nn.Module):
         if rows is None:
             return self.k[:bs, :, :span], self.v[:bs, :, :span]
         return self.k[rows, :, :span], self.v[rows, :, :span]
-
-    def gather_rows(self, src: Tensor, dst: Tensor) -> None:
-        """Copy slots src [bs, n] to dst [bs, n] (compaction of an accepted tree path)."""
-        bs = src.shape[0]
-        rows = torch.arange(bs, device=src.device)[:, None]
-        k = self.k[rows, :, src]  # gather into a temporary first: dst and src overlap
-        v = self.v[rows, :, src]
-        self.k[rows, :, dst] = k
-        self.v[rows, :, dst] = v
 
 
 class Attention(nn.Module):
@@ -201,10 +200,8 @@ class Attention(nn.Module):
         k = k.view(bs, T, self.n_kv, self.head_dim)
         v = v.view(bs, T, self.n_kv, self.head_dim)
         if self.kernels:  # one kernel for what follows in the else branch (KVCache.update's layout)
-            from .kernels import qk_norm_rope_kv
-
             norm = self.q_norm is not None
-            q = qk_norm_rope_kv(q, k, v, cos, sin, self.q_norm.weight if norm else None,
+            q = kernels.qk_norm_rope_kv(q, k, v, cos, sin, self.q_norm.weight if norm else None,
                                 self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                                 self.kv_cache.k, self.kv_cache.v, rows, slots)
         else:
@@ -213,9 +210,13 @@ class Attention(nn.Module):
             q = apply_rope(q.transpose(1, 2), cos, sin)
             k = apply_rope(k.transpose(1, 2), cos, sin)
             self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
-        k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-        out = self.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
+        if self.kernels and 1 < T <= kernels.ATTENTION_MAX_TOKENS:  # verify widths (SDPA's decode kernel is as fast)
+            out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, rows)
+        else:
+            k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+            out = out.transpose(1, 2).reshape(bs, T, -1)
+        out = self.o_proj(out)
         return self.tp.all_reduce(out) if self.tp else out
 
 
@@ -245,9 +246,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.w_gate_up is not None and self.kernels:
-            from .kernels import silu_mul
-
-            out = self.down_proj(silu_mul(F.linear(x, self.w_gate_up)))
+            out = self.down_proj(kernels.silu_mul(F.linear(x, self.w_gate_up)))
         else:
             if self.w_gate_up is not None:
                 gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
@@ -275,11 +274,9 @@ class DecoderLayer(nn.Module):
         post-attention norm, then the next layer's input norm or the final norm), so the layer takes
         the residual x and its normed h and returns the pair for the next one. Attention and MLP outputs
         arrive already all-reduced under tensor parallelism, before the add, as in forward()."""
-        from .kernels import add_rms_norm
-
         post = self.post_attention_layernorm
-        h, x = add_rms_norm(self.self_attn(h, cos, sin, slots, mask, rows), x, post.weight, post.eps)
-        h, x = add_rms_norm(self.mlp(h), x, next_norm.weight, next_norm.eps)
+        h, x = kernels.add_rms_norm(self.self_attn(h, cos, sin, slots, mask, rows), x, post.weight, post.eps)
+        h, x = kernels.add_rms_norm(self.mlp(h), x, next_norm.weight, next_norm.eps)
         return x, h
 
 
@@ -305,6 +302,7 @@ class Transformer(nn.Module):
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
         self.max_batch = self.max_slots = 0
+        self.kv_storage: Tensor | None = None  # [layers, 2 (k, v), batch, kv heads, slots + 1, head dim]
         self.tp = None  # parallel.TensorParallel once sharded
         self.kernels = False  # Triton kernels in the forward, see fuse()
 
@@ -340,11 +338,14 @@ class Transformer(nn.Module):
         p = self.lm_head.weight
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
         self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(p.device)
+        n_kv, hd = self.model.layers[0].self_attn.n_kv, self.config.head_dim  # this rank's KV heads
+        self.kv_storage = None  # free the old cache before allocating the new one
         for layer in self.model.layers:
-            # this rank's KV heads (all of them without tensor parallelism)
-            layer.self_attn.kv_cache = KVCache(
-                max_batch, layer.self_attn.n_kv, max_slots, self.config.head_dim, p.dtype, p.device
-            )
+            layer.self_attn.kv_cache = None
+        self.kv_storage = torch.zeros(len(self.model.layers), 2, max_batch, n_kv, max_slots + 1, hd,
+                                      dtype=p.dtype, device=p.device)
+        for i, layer in enumerate(self.model.layers):  # indexing, not unbind: its views can't be written under autograd
+            layer.self_attn.kv_cache = KVCache(max_batch, n_kv, max_slots, hd, p.dtype, p.device, self.kv_storage[i])
         self.max_batch, self.max_slots = max_batch, max_slots
 
     @property
@@ -422,5 +423,8 @@ class Transformer(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
     def compact(self, src: Tensor, dst: Tensor) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.kv_cache.gather_rows(src, dst)
+        """Copy cache slots src [bs, n] to dst [bs, n] in every layer (an accepted tree path moves to
+        the committed text): one gather and one scatter over all layers."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        moved = self.kv_storage[:, :, rows, :, src]  # a copy first: dst and src overlap
+        self.kv_storage[:, :, rows, :, dst] = moved

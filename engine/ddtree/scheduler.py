@@ -280,7 +280,7 @@ class Scheduler:
         m.engine_step_seconds.observe(now - t0)
         k = len(self._running)
         m.num_drafts.inc(k)
-        m.num_draft_tokens.inc(k * (engine.tree_size - 1))
+        m.num_draft_tokens.inc(k * (engine.tree_size_for(n) - 1))
         accepted = 0
         for slot, req in list(self._running.items()):
             toks = out[slot]

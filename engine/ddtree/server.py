@@ -33,11 +33,13 @@ import time
 import uuid
 
 from .cli import (
+    BUDGET_HELP,
     DEFAULT_KERNELS,
     KERNEL_CHOICES,
     UsageError,
     add_parallel_flags,
     check_parallel_flags,
+    parse_budget,
 )
 
 log = logging.getLogger("ddtree.server")
@@ -681,9 +683,9 @@ def serve_config(args) -> argparse.Namespace:
     """Validate `serve` flags (UsageError on bad ones) and resolve device, dtype and batch sizes."""
     from .cli import _device_and_dtype
 
-    if args.budget is not None and args.budget < 0:
-        raise UsageError(f"--budget must be >= 0, got {args.budget}")
-    from .cli import default_drafter
+    from .cli import check_budget, default_drafter
+
+    check_budget(args)
 
     default_drafter(args)
     if args.max_batch_size < 1:
@@ -791,7 +793,7 @@ def register(subparsers, bench: bool = True) -> None:
     p.add_argument("--model", required=True, help="built-in id (smollm2-135m-instruct), local folder, .gguf or hub id")
     p.add_argument("--drafter", help="DFlash drafter: local folder, built-in id or hub id")
     p.add_argument("--method", choices=["ar", "dflash", "ddtree"], default="ddtree")
-    p.add_argument("--budget", type=int, help="DDTree node budget B (verify width B+1); default block_size-1")
+    p.add_argument("--budget", type=parse_budget, help=BUDGET_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--max-batch-size", type=int, default=8, help="engine slots = concurrently running requests")

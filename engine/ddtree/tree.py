@@ -1,7 +1,7 @@
 """Draft trees: DDTree's top-B prefixes, the DFlash chain, and the root-only tree of plain decoding.
 
 All three produce the same flat, static-shape batch layout so that verification and the walk are
-shared: node 0 is the root (the last bonus token, already emitted), nodes are ordered depth-major so
+shared: node 0 is the root (the last bonus token, already emitted), nodes are ordered so that
 parent[i] < i, and `visible[i, j]` says whether node j is node i or one of its ancestors.
 """
 
@@ -69,7 +69,7 @@ def build_chain(roots: Tensor, draft_logits: Tensor) -> Tree:
     )
 
 
-def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int) -> Tree:
+def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int, kernel: bool = False) -> Tree:
     """The `budget` most probable prefixes under the factorised draft distribution (paper §4.2).
 
     Exact and tensorised: path scores never increase along a path, so the global top-B set is
@@ -77,6 +77,9 @@ def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int) -> Tree:
     (children of the previous depth's top-B, each limited to the row's top-K tokens, K = min(B, V))
     therefore keeps every node of the answer; a final top-B over all depths recovers it. A stable
     sort breaks score ties in favour of shallower nodes, so a parent always precedes its child.
+
+    kernel=True builds the same set in one Triton launch (kernels.best_first_tree, the paper's
+    heap): about 90 fewer kernels per round at D = 15. Nodes are then in pop order, not depth-major.
     """
     bs, depth_max, vocab = draft_logits.shape
     dev = draft_logits.device
@@ -84,6 +87,10 @@ def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int) -> Tree:
     k = min(b, vocab)
     logp = torch.log_softmax(draft_logits.float(), dim=-1)
     top_lp, top_tok = logp.topk(k, dim=-1)  # [bs, D, K], sorted descending
+    if kernel:
+        from .kernels import best_first_tree
+
+        return Tree(*best_first_tree(roots, top_lp, top_tok, budget))
 
     neg_inf = torch.full((bs, b), float("-inf"), device=dev)
     scores, parent_slot, tokens = [], [], []

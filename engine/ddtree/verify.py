@@ -63,24 +63,28 @@ class Walk:
 
 
 def walk(tree: Tree, decisions: Tensor, max_depth: int) -> Walk:
-    """Follow the target's decisions down the tree (static loop of max_depth steps, no host sync)."""
+    """Follow the target's decisions down the tree, vectorised over depth (no host sync, ~20 kernels
+    whatever the depth: a per-depth loop cost ~9 kernels a level inside every round's graph).
+
+    A node agrees when its token is the target's decision at its parent; it is accepted when it and
+    all its ancestors agree. Siblings carry distinct tokens, so at most one node per depth is
+    accepted, and the deepest accepted node ends the path the sequential walk would follow."""
     bs, n = tree.tokens.shape
-    rows = torch.arange(bs, device=tree.tokens.device)
-    cur = torch.zeros(bs, dtype=torch.long, device=tree.tokens.device)
-    alive = torch.ones(bs, dtype=torch.bool, device=cur.device)
-    path = [cur]
-    for _ in range(max_depth):
-        want = decisions[rows, cur]
-        hit = (tree.parents == cur[:, None]) & (tree.tokens == want[:, None]) & tree.valid
-        found = hit.any(-1) & alive
-        cur = torch.where(found, hit.int().argmax(-1), cur)  # siblings are distinct: at most one hit
-        alive = found
-        path.append(cur)
-    path = torch.stack(path, dim=1)
-    accepted = 1 + (path[:, 1:] != path[:, :-1]).sum(-1)
+    dev = tree.tokens.device
+    rows = torch.arange(bs, device=dev)
+    parent_decision = torch.gather(decisions, 1, tree.parents.clamp(min=0))
+    agree = ((tree.tokens == parent_decision) & tree.valid) | (torch.arange(n, device=dev) == 0)
+    accepted_node = ~(tree.visible & ~agree[:, None, :]).any(-1)
+    cur = torch.where(accepted_node, tree.depth, -1).argmax(-1)  # the deepest accepted node
+    accepted = tree.depth[rows, cur] + 1
+    # path[d] = the path's node at depth d (its ancestors are exactly visible[cur]); then cur repeated
+    steps = torch.arange(max_depth + 1, device=dev)
+    at_depth = torch.where(tree.visible[rows, cur], tree.depth, max_depth + 1)
+    path = torch.zeros(bs, max_depth + 2, dtype=torch.long, device=dev)
+    path.scatter_(1, at_depth, torch.arange(n, device=dev).expand(bs, n))
+    path = torch.where(steps[None] < accepted[:, None], path[:, :-1], cur[:, None])
     bonus = decisions[rows, cur]
     # emitted[j] = token of path[j + 1] for j < accepted - 1, then the bonus at j = accepted - 1
-    steps = torch.arange(max_depth + 1, device=cur.device)
     path_tokens = torch.gather(tree.tokens, 1, path)
     nxt = torch.cat([path_tokens[:, 1:], path_tokens[:, -1:]], dim=1)
     emitted = torch.where(steps[None] == (accepted - 1)[:, None], bonus[:, None], nxt)
