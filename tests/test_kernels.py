@@ -362,12 +362,11 @@ def test_kernels_compile_for_h200_without_a_gpu():
         for rows in (False, True):
             compile_(K._attention_partial_kernel, dtype,
                      dict(mask_ptr="*i8", rows_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", T="i32", span="i32",
-                          scale="fp32"),
-                     dict(H=32, GROUP=4, HPP=4, D=128, CHUNK=128, SPLITS=9, ROW_BLOCKS=2, BLOCK_M=64, BLOCK_N=64,
-                          BLOCK_D=128,
+                          scale="fp32", SPLITS="i32", ROW_BLOCKS="i32"),
+                     dict(H=32, GROUP=4, HPP=4, D=128, CHUNK=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
                           HAS_ROWS=rows, FP32_DOT=False, PRECISION="ieee" if dtype == "fp32" else "tf32"), 4)
-        compile_(K._attention_combine_kernel, dtype, dict(acc_ptr="*fp32", ml_ptr="*fp32", T="i32"),
-                 dict(H=32, D=128, SPLITS=9, S_PAD=16, BLOCK_D=128), 2)
+        compile_(K._attention_combine_kernel, dtype, dict(acc_ptr="*fp32", ml_ptr="*fp32", T="i32", SPLITS="i32"),
+                 dict(H=32, D=128, S_PAD=16, BLOCK_D=128), 2)
         assert k.asm["cubin"]
         if dtype == "bf16":
             assert "cvt.rn.bf16.f32" in k.asm["ptx"]

@@ -189,11 +189,11 @@ if triton is not None:
     @triton.jit
     def _attention_partial_kernel(
         q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, acc_ptr, ml_ptr,
-        T, span, scale,
+        T, span, scale, SPLITS, ROW_BLOCKS,
         q_sb, q_sh, q_st, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, m_sb, m_st, m_ss, rows_s,
         H: tl.constexpr, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-        SPLITS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr,
+        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         # program (sequence b, HPP query heads sharing one KV head, a block of their rows, key chunk s):
         # a softmax over that chunk's keys, kept unnormalised with its row max and row sum for the combine
@@ -249,9 +249,8 @@ if triton is not None:
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=used)
 
     @triton.jit
-    def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, o_sb, o_st, o_sh,
-                                  H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                                  BLOCK_D: tl.constexpr):
+    def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, SPLITS, o_sb, o_st, o_sh,
+                                  H: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1)
         b = bh // H
@@ -392,17 +391,17 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: T
     m8 = mask.view(torch.int8)
     _attention_partial_kernel[(bs * heads // per_program * row_blocks, splits)](
         q, k_cache, v_cache, m8, rows if rows is not None else m8, acc, ml,
-        T, span, hd ** -0.5,
+        T, span, hd ** -0.5, splits, row_blocks,  # runtime values: new prompt lengths compile nothing new
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m8.stride(0), m8.stride(2), m8.stride(3),
         rows.stride(0) if rows is not None else 0,
-        H=heads, GROUP=group, HPP=per_program, D=hd, CHUNK=chunk, SPLITS=splits, ROW_BLOCKS=row_blocks, BLOCK_M=block_m,
+        H=heads, GROUP=group, HPP=per_program, D=hd, CHUNK=chunk, BLOCK_M=block_m,
         BLOCK_N=min(64, chunk), BLOCK_D=block_d, HAS_ROWS=rows is not None, FP32_DOT=q.device.type == "cpu",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
     )
     _attention_combine_kernel[(bs * heads, T)](
-        acc, ml, out, T, out.stride(0), out.stride(1), out.stride(2),
-        H=heads, D=hd, SPLITS=splits, S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        acc, ml, out, T, splits, out.stride(0), out.stride(1), out.stride(2),
+        H=heads, D=hd, S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2,
     )
     return out.view(bs, T, heads * hd)
