@@ -133,6 +133,13 @@ class DrafterSpec(_Model):
     rules: ClassVar = (PVC_URI_RULE,)
 
 
+class BudgetStep(_Model):
+    """The draft-tree budget while at most `maxBatchSize` requests run."""
+
+    max_batch_size: int = Field(ge=1, le=4096, description="Largest batch this budget applies to.")
+    budget: int = Field(ge=1, le=1024, description="Draft-tree node budget for those batches.")
+
+
 class SpeculationSpec(_Model):
     """How the engine speculates."""
 
@@ -144,6 +151,14 @@ class SpeculationSpec(_Model):
     budget: int = Field(
         default=32, ge=1, le=1024, description="Draft-tree node budget per step (`--budget`). Default: 32."
     )
+    budget_by_batch_size: list[BudgetStep] | None = Field(
+        default=None,
+        max_length=16,
+        description="A budget per batch size, replacing `budget` (`--budget 1:32,16:8`; `ddtree bench` prints "
+        "the measured best): each entry holds up to its maxBatchSize, the last also beyond. Its batch "
+        "sizes must be among the graph batch buckets. Method ddtree only.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["maxBatchSize"]},
+    )
     block_size: int | None = Field(
         default=None, ge=2, le=256, description="Drafter block size (`--block-size`); default: read from the drafter."
     )
@@ -152,6 +167,24 @@ class SpeculationSpec(_Model):
         max_length=32,
         description="Batch sizes the engine captures CUDA graphs for (`--batch-buckets`); default: the engine's.",
         json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    rules: ClassVar = (
+        Rule(
+            cel="!has(self.budgetByBatchSize) || self.method == 'ddtree'",
+            message="budgetByBatchSize needs method ddtree",
+            check=lambda m: m.budget_by_batch_size is None or m.method == "ddtree",
+            field_path=".budgetByBatchSize",
+        ),
+        Rule(  # the engine replays a bucket's graph, so the budget may change only at a bucket
+            cel="!has(self.budgetByBatchSize) || !has(self.batchBuckets) || self.budgetByBatchSize.all(s, "
+            "s.maxBatchSize in self.batchBuckets || self.batchBuckets.all(b, b < s.maxBatchSize))",
+            message="every spec.speculation.budgetByBatchSize maxBatchSize must be one of "
+            "spec.speculation.batchBuckets (or above all of them)",
+            check=lambda m: m.budget_by_batch_size is None or m.batch_buckets is None or all(
+                s.max_batch_size in m.batch_buckets or all(b < s.max_batch_size for b in m.batch_buckets)
+                for s in m.budget_by_batch_size),
+            field_path=".budgetByBatchSize",
+        ),
     )
 
 

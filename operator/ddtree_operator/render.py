@@ -113,7 +113,11 @@ def engine_args(spec: SpeculativeDeploymentSpec) -> list[str]:
         if spec.drafter.revision:
             args += ["--drafter-revision", spec.drafter.revision]
     speculation = spec.speculation
-    args += ["--method", METHOD_FLAG[speculation.method], "--budget", str(speculation.budget)]
+    budget = str(speculation.budget)
+    if speculation.budget_by_batch_size:
+        budget = ",".join(f"{s.max_batch_size}:{s.budget}" for s in sorted(
+            speculation.budget_by_batch_size, key=lambda s: s.max_batch_size))
+    args += ["--method", METHOD_FLAG[speculation.method], "--budget", budget]
     if speculation.block_size is not None:
         args += ["--block-size", str(speculation.block_size)]
     if speculation.batch_buckets:

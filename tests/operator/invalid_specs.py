@@ -29,6 +29,15 @@ INVALID_SPECS = {
         {**VALID, "speculation": {"batchBuckets": [1, 8]}, "engine": {"maxBatchSize": 4}},
         "every spec.speculation.batchBuckets entry must be <= spec.engine.maxBatchSize",
     ),
+    "budget-by-batch-size-with-dflash": (
+        {**VALID, "speculation": {"method": "dflash", "budgetByBatchSize": [{"maxBatchSize": 1, "budget": 32}]}},
+        "budgetByBatchSize needs method ddtree",
+    ),
+    "budget-step-not-a-bucket": (
+        {**VALID, "speculation": {"batchBuckets": [1, 2, 4],
+                                  "budgetByBatchSize": [{"maxBatchSize": 1, "budget": 32}, {"maxBatchSize": 3, "budget": 8}]}},
+        "every spec.speculation.budgetByBatchSize maxBatchSize must be one of spec.speculation.batchBuckets",
+    ),
     "min-acceptance-without-speculation": (
         {"model": {"uri": "Qwen/Qwen3-8B"}, "speculation": {"method": "none"},
          "readiness": {"minAcceptanceLength": 2.0}},
@@ -49,6 +58,8 @@ INVALID_SPECS = {
 OUT_OF_BOUNDS_SPECS = {
     "budget-too-large": ({**VALID, "speculation": {"budget": 4096}}, "spec.speculation.budget"),
     "budget-zero": ({**VALID, "speculation": {"budget": 0}}, "spec.speculation.budget"),
+    "budget-step-zero": ({**VALID, "speculation": {"budgetByBatchSize": [{"maxBatchSize": 4, "budget": 0}]}},
+                         "spec.speculation.budgetByBatchSize[0].budget"),
     "negative-replicas": ({**VALID, "replicas": -1}, "spec.replicas"),
     "unknown-method": ({**VALID, "speculation": {"method": "eagle"}}, "spec.speculation.method"),
     "bad-memory-quantity": ({**VALID, "resources": {"memory": "lots"}}, "spec.resources.memory"),

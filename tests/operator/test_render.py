@@ -209,3 +209,10 @@ def test_tensor_parallel_pods_get_nvlink_multicast_off_unless_the_spec_says_othe
         OWNER, spec(**tp, engine={"env": [{"name": "NCCL_NVLS_ENABLE", "value": "1"}]}), DEFAULTS))["env"]]
     assert names.count("NCCL_NVLS_ENABLE") == 1
     assert env(**tp, engine={"env": [{"name": "NCCL_NVLS_ENABLE", "value": "1"}]})["NCCL_NVLS_ENABLE"] == "1"
+
+
+def test_budget_by_batch_size_renders_one_budget_flag_sorted_by_batch():
+    spec = SpeculativeDeploymentSpec.model_validate({**VALID, "speculation": {
+        "batchBuckets": [1, 4, 16], "budgetByBatchSize": [{"maxBatchSize": 16, "budget": 8}, {"maxBatchSize": 1, "budget": 32}]}})
+    args = container(render_deployment(OWNER, spec, DEFAULTS))["args"]
+    assert args.count("--budget") == 1 and args[args.index("--budget") + 1] == "1:32,16:8"
