@@ -397,6 +397,8 @@ def test_bad_flags_are_usage_errors(capsys):
         (["serve", "--model", MODEL, "--method", "ar", "--batch-buckets", "1,16"], "exceed --max-batch-size"),
         (["serve", "--model", MODEL, "--method", "ar", "--batch-buckets", "a,b"], "comma-separated"),
         (["serve", "--model", MODEL, "--method", "ar", "--budget", "-1"], "--budget"),
+        (["serve", "--model", MODEL, "--method", "ar", "--budget", "1:32,16:8"], "a budget per batch size needs --method ddtree"),
+        (["serve", "--model", MODEL, "--method", "ddtree", "--budget", "16:"], "BATCH:BUDGET pairs"),
         (["serve", "--model", MODEL, "--method", "beam"], "invalid choice"),
         (["serve", "--model", MODEL, "--method", "ar", "--smoke-fault", "nope"], "invalid choice"),
     ]:
