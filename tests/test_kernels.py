@@ -94,6 +94,32 @@ def check_silu_mul(device, dtype, inter):
     torch.testing.assert_close(out.float(), F.silu(gate) * up, **TOL[dtype])
 
 
+GEMV_CASES = [  # (N, K, silu_mul, bias, config): block-aligned and ragged, one and several K blocks
+    (8, 32, False, False, (4, 16, 1, 1)), (10, 40, False, True, (4, 16, 1, 1)),
+    (12, 48, True, False, (4, 16, 1, 1)), (7, 20, True, True, (8, 32, 1, 1)),
+]
+
+
+def check_gemv(device, dtype, n, k, silu_mul, bias, config):
+    from ddtree.kernels import gemv
+
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)  # outputs of order 1 at any K
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    x = torch.randn(1, 1, 2 * k if silu_mul else k, generator=g).to(device, dtype)
+    if silu_mul:  # the reference rounds silu(gate) * up to the model dtype, as silu_mul's output is
+        gate, up = x.float().chunk(2, dim=-1)
+        ref_in = (F.silu(gate) * up).to(dtype).float()
+    else:
+        ref_in = x.float()
+    ref = F.linear(ref_in, w.float(), None if b is None else b.float())
+    out = gemv(x, w, b, silu_mul=silu_mul, config=config)
+    assert out.shape == (1, 1, n) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    with pytest.raises(AssertionError, match="one row"):
+        gemv(torch.cat([x, x], dim=1), w, b, silu_mul=silu_mul, config=config)
+
+
 def check_add_rms_norm(device, dtype, n):
     from ddtree.kernels import add_rms_norm
 
@@ -119,20 +145,26 @@ def check_attention(device, dtype, cases):
         q = torch.randn(bs, heads, T, hd, generator=g).to(device, dtype)
         mask = torch.rand(1 if broadcast else bs, 1, T, span, generator=g) < 0.6
         mask[..., 0] = True  # every query sees a key (as in the engine: itself at least)
-        mask = mask.to(device)
+        # then the same mask cut at a live length per sequence, as in a graph's span bucket: whole key
+        # chunks that no row sees (which the kernel skips)
+        cut = mask.clone()
+        for b in range(cut.shape[0]):
+            cut[b, ..., 1 + b + span // 4:] = False
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
-        out = attention(q, kc, vc, mask, rows)
-        sel = rows if rows_given else torch.arange(bs, device=device)
-        ref = F.scaled_dot_product_attention(q.float(), kc[sel, :, :span].float(), vc[sel, :, :span].float(),
-                                             attn_mask=mask, enable_gqa=heads != kv_heads)
-        assert out.shape == (bs, T, heads * hd) and out.dtype == dtype
-        torch.testing.assert_close(out.float(), ref.transpose(1, 2).reshape(bs, T, -1), **TOL[dtype])
+        for m in (mask.to(device), cut.to(device)):
+            out = attention(q, kc, vc, m, rows)
+            sel = rows if rows_given else torch.arange(bs, device=device)
+            ref = F.scaled_dot_product_attention(q.float(), kc[sel, :, :span].float(), vc[sel, :, :span].float(),
+                                                 attn_mask=m, enable_gqa=heads != kv_heads)
+            assert out.shape == (bs, T, heads * hd) and out.dtype == dtype
+            torch.testing.assert_close(out.float(), ref.transpose(1, 2).reshape(bs, T, -1), **TOL[dtype])
 
 
 ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask broadcast over the batch)
     (2, 4, 2, 5, 16, 200, False, False), (1, 4, 1, 33, 12, 130, False, True), (3, 2, 2, 1, 16, 64, True, False),
     (2, 8, 2, 1, 16, 100, True, False), (1, 8, 2, 16, 16, 150, False, True),  # 4 heads per program: 4 and 64 rows
     (1, 2, 1, 130, 16, 260, True, False),  # 3 blocks of rows (B = 129)
+    (1, 4, 1, 9, 16, 300, False, False),  # few row programs: chunks of 32, most unseen once cut
 ]
 
 
@@ -182,7 +214,8 @@ def tiny_qwen3(seed=0, qk_norm=True, bias=True, layers=3) -> Transformer:
 
 def run_model(model, kernels: bool):
     """A prefill of two sequences into cache rows 0, 1, then one decode step of both with the rows
-    given in reverse order and the taps of two layers. Returns (logits, taps, k cache, v cache)."""
+    given in reverse order and the taps of two layers, then one of the first alone. Returns (logits,
+    one-sequence logits, taps, k cache, v cache)."""
     model.fuse(kernels=kernels)
     dev = model.lm_head.weight.device
     model.setup_caches(max_batch=2, max_slots=16)
@@ -196,9 +229,12 @@ def run_model(model, kernels: bool):
         pos = torch.tensor([[7], [7]], device=dev)
         mask = torch.ones(2, 1, 1, 8, dtype=torch.bool, device=dev)
         step, taps = model(ids[:, :1], pos, pos, mask, tap_layers=(2, 0), rows=rows)
+        # one sequence, one token: the batch-1 decode step (the kernels' one-row GEMVs)
+        single, _ = model(ids[:1, 1:2], pos[:1] + 1, pos[:1] + 1, torch.ones(1, 1, 1, 9, dtype=torch.bool, device=dev),
+                          rows=rows[1:])
     caches = [torch.stack([layer.self_attn.kv_cache.k for layer in model.model.layers]),
               torch.stack([layer.self_attn.kv_cache.v for layer in model.model.layers])]
-    return torch.cat([prefill, step], dim=1), taps, *caches
+    return torch.cat([prefill, step], dim=1), single, taps, *caches
 
 
 def check_model(device, dtype, qk_norm):
@@ -213,7 +249,7 @@ def check_model(device, dtype, qk_norm):
     # compare both with an fp32 run of the same weights: the kernels must be no less accurate than torch
     # (relative Frobenius error; the interpreter truncates to bf16 where compiled Triton rounds, hence 2.5x)
     exact = run_model(copy.deepcopy(model).float(), kernels=False)
-    for name, a, b, x in zip(("logits", "taps", "k cache", "v cache"), got, ref, exact):
+    for name, a, b, x in zip(("logits", "one-row logits", "taps", "k cache", "v cache"), got, ref, exact):
         err_kernels, err_torch = ((t.float() - x).norm().item() / x.norm().item() for t in (a, b))
         assert err_kernels <= min(2.5 * err_torch, 0.05), (name, err_kernels, err_torch)
 
@@ -239,6 +275,13 @@ def test_qk_norm_rope_kv(dtype, rows_given, norm, T, heads, kv_heads, head_dim):
 @pytest.mark.parametrize("inter", [20, 1500])  # 1500: two column blocks, the second masked
 def test_silu_mul(dtype, inter):
     check_silu_mul("cpu", dtype, inter)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", GEMV_CASES)
+def test_gemv(dtype, case):
+    check_gemv("cpu", dtype, *case)
 
 
 @interp
@@ -353,6 +396,10 @@ def test_kernels_compile_for_h200_without_a_gpu():
                          dict(rows_ptr="*i64", slots_ptr="*i64", T="i32", eps="fp32"),
                          dict(N_HEADS=32, HALF=64, BLOCK=64, HAS_NORM=norm, HAS_ROWS=rows), 1)
         compile_(K._silu_mul_kernel, dtype, dict(inter="i32"), dict(BLOCK=1024), 4)
+        for silu_mul in (False, True):
+            for even in (False, True):
+                compile_(K._gemv_kernel, dtype, dict(N="i32", w_sn="i32"),
+                         dict(K=4096, BLOCK_N=16, BLOCK_K=512, SILU_MUL=silu_mul, HAS_BIAS=not silu_mul, EVEN=even), 4)
         k = compile_(K._add_rms_norm_kernel, dtype, dict(N="i32", eps="fp32"), dict(BLOCK=4096), 8)
         if dtype == "fp32":
             compile_(K._best_first_tree_kernel, dtype,
@@ -387,6 +434,8 @@ def test_compiled_kernels_equal_the_reference(dtype):
         check_silu_mul("cuda", dtype, inter)
     for n in (48, 300, 4096):
         check_add_rms_norm("cuda", dtype, n)
+    for case in GEMV_CASES + [(6144, 4096, False, True, None), (4096, 12288, True, False, None), (1000, 700, True, False, None)]:
+        check_gemv("cuda", dtype, *case)
     check_best_first_tree("cuda")
     check_attention("cuda", dtype, ATTENTION_CASES + [(1, 32, 8, 33, 128, 1152, False, False),
                                                       (16, 32, 8, 1, 128, 1152, True, False), (4, 9, 3, 16, 64, 300, False, True),

@@ -8,6 +8,10 @@ replace them:
   silu_mul         silu(gate) * up from the fused gate/up GEMM output
   add_rms_norm     residual add + RMSNorm of the sum
 
+and, for a batch-1 decode step, `gemv` replaces cuBLAS's split-K GEMMs for one row (with silu_mul folded
+into the down projection). `attention` and `best_first_tree` replace SDPA over the tree mask and the
+DDTree tree's many small kernels.
+
 The pure-PyTorch code in model.py stays the reference and the CPU path. Arithmetic is in fp32 with
 one rounding to the output dtype, so results agree with the reference to bf16 rounding, not bitwise.
 Launches read no tensor values on the host: everything is CUDA-graph capturable. With
@@ -107,6 +111,36 @@ if triton is not None:
         g = tl.load(gu_ptr + row * gu_s + c, mask=m, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * gu_s + inter + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * out_s + c, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, w_sn, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+        # out[n] = sum_k w[n, k] * x[k] for BLOCK_N rows of w; with SILU_MUL, x = silu(gate) * up is
+        # made here from the gate/up GEMV output [gate | up] (each program redoes its slice; it is tiny)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            if EVEN:
+                w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_sn + k[None, :])
+                x = tl.load(x_ptr + k).to(tl.float32)
+                if SILU_MUL:
+                    up = tl.load(x_ptr + K + k).to(tl.float32)
+            else:
+                live = k < K
+                w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_sn + k[None, :],
+                            mask=(n[:, None] < N) & live[None, :], other=0.0)
+                x = tl.load(x_ptr + k, mask=live, other=0.0).to(tl.float32)
+                if SILU_MUL:
+                    up = tl.load(x_ptr + K + k, mask=live, other=0.0).to(tl.float32)
+            if SILU_MUL:  # rounded to the model dtype, as silu_mul's output would be
+                x = (x * tl.sigmoid(x) * up).to(w.dtype).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, N, eps, x_s, r_s, out_s, res_s,
@@ -228,21 +262,23 @@ if triton is not None:
         for n0 in range(0, CHUNK, BLOCK_N):
             j = split * CHUNK + n0 + j0
             live = j < span
-            k = tl.load(kbase + j[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
-            v = tl.load(vbase + j[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
-            if FP32_DOT:
-                k, v = k.to(tl.float32), v.to(tl.float32)
             seen = tl.load(mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
                            mask=used[:, None] & live[None, :], other=0) != 0
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where(seen, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            # keys no row sees are not read: a graph's span bucket is often far longer than the live text
+            if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
+                k = tl.load(kbase + j[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+                v = tl.load(vbase + j[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+                if FP32_DOT:
+                    k, v = k.to(tl.float32), v.to(tl.float32)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                scores = tl.where(seen, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+                p = tl.exp(scores - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
         part = ((b * H + head) * SPLITS + split) * T + t  # [bs, heads, splits, T]
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=used[:, None])
         tl.store(ml_ptr + part * 2, m_i, mask=used)
@@ -316,6 +352,33 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out.view(*gate_up.shape[:-1], inter)
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of `gemv` per projection: the fastest of 16 configurations
+# for the Qwen3-8B shape on an H200 (docs/benchmarks.md, fifth session). The gate/up projection stays on
+# cuBLAS, which reads it at 0.94 x the copy bandwidth (no gemv configuration was clearly faster)
+GEMV_CONFIGS = {"qkv": (8, 256, 4, 3), "o": (16, 1024, 8, 3), "down": (8, 512, 8, 3)}
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul: bool = False,
+         config: tuple[int, int, int, int] | None = None) -> Tensor:
+    """F.linear(x, weight, bias) for a single row x [..., K] (a batch-1 decode step), as one kernel.
+
+    cuBLAS serves one row with small tiles, and split-K plus a separate reduction kernel, which left
+    the q/k/v, o and down projections of the 8B shape at 1.3-1.7 x the copy-bandwidth time; here each
+    program streams BLOCK_N whole rows of the weight (1.1-1.4 x). silu_mul=True takes x = [gate | up]
+    (2 K) and applies silu(gate) * up on the fly, which saves the silu_mul kernel before the down
+    projection."""
+    n_out, k = weight.shape
+    assert x.shape[-1] == (2 * k if silu_mul else k) and x.numel() == x.shape[-1], "gemv takes one row"
+    assert weight.stride(-1) == 1 and x.is_contiguous()
+    block_n, block_k, warps, stages = config or GEMV_CONFIGS["o"]
+    out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+        x, weight, bias if bias is not None else weight, out, n_out, weight.stride(0),
+        K=k, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        EVEN=n_out % block_n == 0 and k % block_k == 0, num_warps=warps, num_stages=stages)
+    return out
+
+
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual) * weight, x + residual), both new tensors in x's dtype."""
     n = x.shape[-1]
@@ -354,13 +417,27 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
 
 
 # query tokens per sequence up to which `attention` replaces SDPA in the model: every tree width up to
-# B = 255 (from 2 tokens: for one, SDPA's decode kernel measured as fast at batch 1 and 0.55 ms per
-# step faster at batch 64 on the 8B shape)
+# B = 255. One-token forwards (decode) use it up to ATTENTION_DECODE_MAX_BATCH sequences: on the 8B
+# shape it took 6.4 us a layer at batch 1 against SDPA's 13.9, and 26.5 against 37.3 at batch 16, but
+# 84 against 81 at batch 64
 ATTENTION_MAX_TOKENS = 256
+ATTENTION_DECODE_MAX_BATCH = 16
+
+
+def attention_chunk(bs: int, T: int, row_programs: int) -> int:
+    """Key slots per program. Few programs along the rows (bs * KV-head groups * row blocks) need
+    short chunks to fill the GPU; many take long ones, which cut the partial results to merge.
+    Fastest of 32/64/128/256 on the 8B shape at 1024 tokens of context (docs/benchmarks.md):
+    one token: 32 at batch 1, 64 at batch 16; verify and draft widths: 32 for 8 row programs
+    (batch 1, 9 tokens), 128 for 16 (batch 1, 17 tokens), 256 from 32 (batch 1, 33 tokens; batch 16)."""
+    if T == 1:
+        return 32 if bs < 16 else 64
+    return 256 if row_programs >= 32 else 128 if row_programs >= 16 else 32
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: Tensor | None,
-              chunk: int = 128) -> Tensor:
+              chunk: int | None = None, max_rows: int = 64, block_n: int = 64, num_warps: int = 4,
+              num_stages: int = 2) -> Tensor:
     """Masked attention of a few query tokens over the cache (a verify, the drafter's block).
 
     q [bs, heads, T, hd]; caches [max_batch, kv_heads, slots, hd] (GQA: heads a multiple of kv_heads);
@@ -369,8 +446,10 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: T
 
     SDPA spent ~49 us a layer on a 33-token verify at 1024 tokens of context (one program per head
     streamed every key, most SMs idle, and the boolean mask became an additive one). Here the keys are
-    split into chunks of `chunk` slots, one program per (sequence, heads sharing a KV head, chunk), and
-    a second kernel merges the chunks' softmaxes: flash-decoding with the mask read as is."""
+    split into chunks of `chunk` slots (default: attention_chunk), one program per (sequence, heads
+    sharing a KV head, chunk), and a second kernel merges the chunks' softmaxes: flash-decoding with
+    the mask read as is. max_rows (rows per program), block_n (keys per step), num_warps and
+    num_stages are tuning knobs, kept for docs/results/scripts/attention_config_sweep.py."""
     bs, heads, T, hd = q.shape
     kv_heads, span = k_cache.shape[1], mask.shape[-1]
     assert heads % kv_heads == 0 and span <= k_cache.shape[2]
@@ -382,9 +461,11 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: T
     group = heads // kv_heads
     # query heads of one KV head share a program while their rows fit a 64-row tile; longer rows
     # (a tree of more than 63 nodes) are cut into blocks of 64
-    per_program = max((n for n in (1, 2, 4, 8, 16) if group % n == 0 and n * T <= 64), default=1)
-    block_m, block_d = min(64, max(16, triton.next_power_of_2(per_program * T))), max(16, triton.next_power_of_2(hd))
+    per_program = max((n for n in (1, 2, 4, 8, 16) if group % n == 0 and n * T <= max_rows), default=1)
+    block_m = min(max_rows, max(16, triton.next_power_of_2(per_program * T)))
+    block_d = max(16, triton.next_power_of_2(hd))
     row_blocks = triton.cdiv(per_program * T, block_m)
+    chunk = chunk or attention_chunk(bs, T, bs * heads // per_program * row_blocks)
     splits = triton.cdiv(span, chunk)
     acc = torch.empty(bs * heads * splits * T, block_d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bs * heads * splits * T, 2, dtype=torch.float32, device=q.device)
@@ -396,8 +477,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m8.stride(0), m8.stride(2), m8.stride(3),
         rows.stride(0) if rows is not None else 0,
         H=heads, GROUP=group, HPP=per_program, D=hd, CHUNK=chunk, BLOCK_M=block_m,
-        BLOCK_N=min(64, chunk), BLOCK_D=block_d, HAS_ROWS=rows is not None, FP32_DOT=q.device.type == "cpu",
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        BLOCK_N=min(block_n, chunk), BLOCK_D=block_d, HAS_ROWS=rows is not None, FP32_DOT=q.device.type == "cpu",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )
     _attention_combine_kernel[(bs * heads, T)](
         acc, ml, out, T, splits, out.stride(0), out.stride(1), out.stride(2),

@@ -191,8 +191,11 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, rows: Tensor | None) -> Tensor:
         bs, T, _ = x.shape
+        one_row = self.kernels and bs * T == 1  # a batch-1 decode step: GEMVs (kernels.gemv)
         if self.wqkv is not None:
-            q, k, v = F.linear(x, self.wqkv, self.bqkv).split(
+            qkv = (kernels.gemv(x, self.wqkv, self.bqkv, config=kernels.GEMV_CONFIGS["qkv"]) if one_row
+                   else F.linear(x, self.wqkv, self.bqkv))
+            q, k, v = qkv.split(
                 [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -210,13 +213,14 @@ class Attention(nn.Module):
             q = apply_rope(q.transpose(1, 2), cos, sin)
             k = apply_rope(k.transpose(1, 2), cos, sin)
             self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
-        if self.kernels and 1 < T <= kernels.ATTENTION_MAX_TOKENS:  # verify widths (SDPA's decode kernel is as fast)
+        if self.kernels and (1 < T <= kernels.ATTENTION_MAX_TOKENS or T == 1 and bs <= kernels.ATTENTION_DECODE_MAX_BATCH):
             out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, rows)
         else:
             k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
             out = out.transpose(1, 2).reshape(bs, T, -1)
-        out = self.o_proj(out)
+        out = (kernels.gemv(out, self.o_proj.weight, self.o_proj.bias, config=kernels.GEMV_CONFIGS["o"]) if one_row
+               else self.o_proj(out))
         return self.tp.all_reduce(out) if self.tp else out
 
 
@@ -245,7 +249,10 @@ class MLP(nn.Module):
         self.w_gate_up = _concat_views([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.w_gate_up is not None and self.kernels:
+        if self.w_gate_up is not None and self.kernels and x.numel() == x.shape[-1]:  # a batch-1 decode step
+            out = kernels.gemv(F.linear(x, self.w_gate_up), self.down_proj.weight, silu_mul=True,
+                               config=kernels.GEMV_CONFIGS["down"])
+        elif self.w_gate_up is not None and self.kernels:
             out = self.down_proj(kernels.silu_mul(F.linear(x, self.w_gate_up)))
         else:
             if self.w_gate_up is not None:
