@@ -299,6 +299,16 @@ def test_model_with_kernels_equals_without(qk_norm):
 
 
 @interp
+def test_model_with_kernels_past_the_decode_attention_batch(monkeypatch):
+    """One-token steps of more sequences than ATTENTION_DECODE_MAX_BATCH go through SDPA inside the
+    kernels path; here from 2 sequences on, so that run_model's batch-2 decode step takes that branch."""
+    from ddtree import kernels
+
+    monkeypatch.setattr(kernels, "ATTENTION_DECODE_MAX_BATCH", 1)
+    check_model("cpu", torch.float32, qk_norm=True)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention(dtype):
     check_attention("cpu", dtype, ATTENTION_CASES)
