@@ -272,7 +272,9 @@ def recommend_budget(rows: list[dict]) -> dict | None:
     if not per_batch:
         return None
     flag = ",".join(f"{batch}:{e['budget']}" for batch, e in per_batch.items())
-    return {"flag": f"--budget {flag}", "per_batch": per_batch}
+    # batch sizes where plain decoding beats every measured budget: speculation does not pay there
+    ar_faster = [batch for batch, e in per_batch.items() if e.get("vs_ar", 1.0) < 1.0]
+    return {"flag": f"--budget {flag}", "per_batch": per_batch, "ar_faster_at": ar_faster}
 
 
 def markdown(rows: list[dict], title: str) -> str:
@@ -346,7 +348,11 @@ def run_bench(args, target, drafter, prompts, label: str, report: bool = True) -
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(results, indent=1))
         md = markdown(results["rows"], label)
-        if results["recommended_budget"]:
-            md += f"\nFastest `ddtree` budget per batch size: `{results['recommended_budget']['flag']}`\n"
+        best = results["recommended_budget"]
+        if best:
+            md += f"\nFastest `ddtree` budget per batch size: `{best['flag']}`\n"
+            if best["ar_faster_at"]:
+                md += ("\n`ar` is faster than every measured `ddtree` budget at batch size "
+                       + ", ".join(f"{b} ({best['per_batch'][b]['vs_ar']} ×)" for b in best["ar_faster_at"]) + "\n")
         (out / "bench.md").write_text(md)
     return results
