@@ -216,8 +216,48 @@ def test_budget_per_batch_size(tiny_target, tiny_drafter):
     assert (3, 13) in sizes and (1, 5) in sizes and all(size == eng.tree_size_for(n) for n, size in sizes)
     with pytest.raises(ValueError, match="needs method 'ddtree'"):
         Engine(tiny_target, tiny_drafter, "dflash", {1: 8})
-    with pytest.raises(ValueError, match=">= 1"):
-        Engine(tiny_target, tiny_drafter, "ddtree", {1: 0})
+    with pytest.raises(ValueError, match="batch sizes >= 1 and budgets >= 0"):
+        Engine(tiny_target, tiny_drafter, "ddtree", {1: -1})
+    with pytest.raises(ValueError, match="batch sizes >= 1 and budgets >= 0"):
+        Engine(tiny_target, tiny_drafter, "ddtree", {0: 8})
+    assert Engine(tiny_target, tiny_drafter, "ddtree", {1: 0, 4: 0}).drafter is None, "never drafts: plain decoding"
+
+
+def drafter_cache(drafter, slot, n):
+    """Keys and values of the first n drafter cache slots of `slot`, every layer."""
+    return torch.stack([torch.stack([layer.self_attn.kv_cache.k[slot, :, :n], layer.self_attn.kv_cache.v[slot, :, :n]])
+                        for layer in drafter.layers])
+
+
+def test_budget_zero_decodes_without_drafting_and_keeps_the_drafter_context(tiny_target, tiny_drafter):
+    """Budget 0 at a batch size switches speculation off there: rounds on 2 slots verify the bonus
+    token alone and run no draft, yet still write each committed token's context into the drafter
+    cache, so that rounds on 1 slot draft with the whole text. Output stays plain decoding's, and the
+    drafter cache equals that of an engine that drafted in every round."""
+    ref = reference(tiny_target, n=80)[0].token_ids
+    params = SamplingParams(max_new_tokens=80)
+    # the oracle drafter accepts long paths: a drafting round stages several tokens of context
+    eng = OracleEngine(tiny_target, tiny_drafter, "ddtree", {1: 8, 2: 0}, max_batch_size=2, max_seq_len=96,
+                       continuations=[PROMPTS[0] + ref])
+    assert (eng.budget, eng.tree_size_for(1), eng.tree_size_for(2)) == (8, 9, 1)
+    drafts = []
+    propose = eng.propose
+    eng.propose = lambda n, span: drafts.append(n) or propose(n, span)
+    out, accepted = [eng.add(0, PROMPTS[0], params)], []
+    for n in [2] * 6 + [1] * 4 + [2] * 3 + [1] * 3 + [2] * 2:  # slot 1 idle: rounds on 2 slots decode plainly
+        toks = eng.step(n)[0]
+        accepted.append(len(toks))
+        out += toks
+    assert out == ref[: len(out)] and set(drafts) == {1} and len(drafts) == 7
+    assert set(accepted[:6] + accepted[10:13] + accepted[16:]) == {1} and max(accepted) > 2
+    # the drafter cache of the committed text, but for the last round's path (staged, not yet written)
+    written = eng.host_lengths[0] - int(eng.ctx_count[0])
+    switched = drafter_cache(tiny_drafter, 0, written).clone()
+    always = Engine(tiny_target, tiny_drafter, "ddtree", 8, max_batch_size=1, max_seq_len=96)
+    always.add(0, PROMPTS[0], params)
+    while always.host_lengths[0] - int(always.ctx_count[0]) < written:
+        always.step(1)
+    torch.testing.assert_close(drafter_cache(tiny_drafter, 0, written), switched, atol=1e-4, rtol=1e-4)
 
 
 def test_drafter_for_another_target_is_refused(tiny_target):

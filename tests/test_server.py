@@ -606,6 +606,42 @@ def test_32_concurrent_clients_match_sequential_greedy_and_counters_add_up(ddtre
     print(f"\n32x4 requests: {elapsed:.1f}s, {rounds:.0f} rounds, mean batch {drafts / rounds:.1f}")
 
 
+def test_budget_zero_above_one_request_keeps_greedy_output(drafter_dir, tmp_path):
+    """`--budget 1:8,2:0`: a request running alone is drafted for, several at once decode plainly
+    (budget 0), and each request's text is the one it gets alone, whichever rounds it went through."""
+    server = Server(["--drafter", str(drafter_dir), "--method", "ddtree", "--budget", "1:8,2:0",
+                     "--max-batch-size", "4", "--max-seq-len", "192", "--batch-buckets", "1,2,4"], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        prompts = PROMPTS[:4]
+
+        def complete(p):
+            status, body = http("POST", server.url + "/v1/completions",
+                                {"prompt": p, "max_tokens": 12, "temperature": 0})
+            assert status == 200, body
+            return body["choices"][0]["text"]
+
+        alone = {p: complete(p) for p in prompts}
+        before = metrics(server.url)
+        together = {}
+        threads = [threading.Thread(target=lambda p=p: together.__setitem__(p, complete(p))) for p in prompts * 2]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        after = metrics(server.url)
+        assert together == alone
+
+        def delta(name):
+            return total(after, name) - total(before, name)
+
+        # rounds on one request draft 8 tokens a sequence, rounds on more draft none
+        drafts = delta("ddtree_spec_decode_num_drafts_total")
+        assert drafts > 0 and delta("ddtree_spec_decode_num_draft_tokens_total") < 8 * drafts
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 def test_bench_serve_load_generator(ddtree_server):
     from ddtree.server import bench_serve

@@ -271,9 +271,10 @@ def recommend_budget(rows: list[dict]) -> dict | None:
         per_batch[batch] = entry
     if not per_batch:
         return None
-    flag = ",".join(f"{batch}:{e['budget']}" for batch, e in per_batch.items())
-    # batch sizes where plain decoding beats every measured budget: speculation does not pay there
+    # batch sizes where plain decoding beats every measured budget: speculation does not pay there, and
+    # the flag switches it off (budget 0)
     ar_faster = [batch for batch, e in per_batch.items() if e.get("vs_ar", 1.0) < 1.0]
+    flag = ",".join(f"{batch}:{0 if batch in ar_faster else e['budget']}" for batch, e in per_batch.items())
     return {"flag": f"--budget {flag}", "per_batch": per_batch, "ar_faster_at": ar_faster}
 
 
@@ -353,6 +354,7 @@ def run_bench(args, target, drafter, prompts, label: str, report: bool = True) -
             md += f"\nFastest `ddtree` budget per batch size: `{best['flag']}`\n"
             if best["ar_faster_at"]:
                 md += ("\n`ar` is faster than every measured `ddtree` budget at batch size "
-                       + ", ".join(f"{b} ({best['per_batch'][b]['vs_ar']} ×)" for b in best["ar_faster_at"]) + "\n")
+                       + ", ".join(f"{b} ({best['per_batch'][b]['vs_ar']} ×)" for b in best["ar_faster_at"])
+                       + ": the flag has budget 0 there (plain decoding)\n")
         (out / "bench.md").write_text(md)
     return results

@@ -17,8 +17,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 BUDGET_HELP = ("DDTree node budget B (verify width B+1), or one per batch size: 1:32,16:8 runs B=32 for up "
-               "to 1 sequence, 8 for up to 16 and beyond (`ddtree bench` prints the measured best); "
-               "default block_size-1")
+               "to 1 sequence, 8 for up to 16 and beyond; budget 0 decodes without drafting at those batch "
+               "sizes (1:32,16:8,64:0; `ddtree bench` prints the measured best); default block_size-1")
 
 
 def parse_budget(text: str) -> int | dict[int, int]:
@@ -32,8 +32,8 @@ def parse_budget(text: str) -> int | dict[int, int]:
         policy = {int(n): int(b) for n, b in (part.split(":") for part in text.split(","))}
     except ValueError:
         raise argparse.ArgumentTypeError(f"--budget takes an integer or BATCH:BUDGET pairs like 1:32,16:8, got '{text}'")
-    if min(policy) < 1 or min(policy.values()) < 1:
-        raise argparse.ArgumentTypeError(f"--budget: batch sizes and budgets must be >= 1, got '{text}'")
+    if min(policy) < 1 or min(policy.values()) < 0:
+        raise argparse.ArgumentTypeError(f"--budget: batch sizes must be >= 1 and budgets >= 0, got '{text}'")
     return policy
 
 

@@ -71,13 +71,14 @@ class Engine:
             raise ValueError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
         if method != "ar" and drafter is None:
             raise ValueError(f"method '{method}' needs a drafter")
-        # a budget per batch size: {max batch: budget}, the last entry also for larger batches
+        # a budget per batch size: {max batch: budget}, the last entry also for larger batches; budget 0
+        # switches speculation off at those batch sizes (plain decoding rounds, where it would not pay)
         self.budget_policy = sorted(budget.items()) if isinstance(budget, dict) else None
         if self.budget_policy is not None:
             if method != "ddtree" or not self.budget_policy:
                 raise ValueError("a budget per batch size needs method 'ddtree' and at least one entry")
-            if any(n < 1 or b < 1 for n, b in self.budget_policy):
-                raise ValueError(f"budget per batch size needs batch sizes and budgets >= 1, got {budget}")
+            if any(n < 1 or b < 0 for n, b in self.budget_policy):
+                raise ValueError(f"budget per batch size needs batch sizes >= 1 and budgets >= 0, got {budget}")
             budget = max(b for _, b in self.budget_policy)
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
@@ -125,6 +126,7 @@ class Engine:
         self.readout = torch.zeros(b, self.max_depth + 2, dtype=torch.long, device=dev)
         self.node_max_logit = torch.zeros(b, self.tree_size, device=dev)
         self.graphs = None  # RoundGraphs once capture_graphs() ran
+        self.drafted_last_round = False
         self.eager_rounds = 0
         self.phase_events: list | None = None
         self.generator = torch.Generator(device=dev)
@@ -186,27 +188,39 @@ class Engine:
         """Cache slots a round on slots [0, n) attends over: the longest text plus the tree or block."""
         return max(self.host_lengths[:n]) + max(self.tree_size, self.block_size)
 
+    def pending_context(self, n: int) -> tuple[Tensor, Tensor]:
+        """Positions and drafter cache slots [n, D + 1] of the staged context features (the last round's
+        accepted path, not yet in the drafter cache); padding rows and idle slots get the trash slot."""
+        lengths, count = self.lengths[:n], self.ctx_count[:n]
+        j = torch.arange(self.ctx_features.shape[1], device=self.device)
+        ctx_pos = lengths[:, None] - count[:, None] + j
+        live = (j < count[:, None]) & self.active[:n, None]
+        return ctx_pos.clamp(min=0), torch.where(live, ctx_pos, self.drafter.max_slots)
+
     def propose(self, n: int, span: int) -> Tensor:
         """Drafter forward on slots [0, n): [n, D, V] draft logits for the D positions after the bonus."""
         dev, block = self.device, self.block_size
-        lengths, count = self.lengths[:n], self.ctx_count[:n]
+        lengths = self.lengths[:n]
         block_tokens = torch.full((n, block), self.mask_token_id, dtype=torch.long, device=dev)
         block_tokens[:, 0] = self.bonus[:n]
         block_pos = lengths[:, None] + torch.arange(block, device=dev)
-        j = torch.arange(self.ctx_features.shape[1], device=dev)
-        ctx_pos = lengths[:, None] - count[:, None] + j
-        # padding rows and idle slots write to the trash slot
-        live = (j < count[:, None]) & self.active[:n, None]
-        ctx_slots = torch.where(live, ctx_pos, self.drafter.max_slots)
+        ctx_pos, ctx_slots = self.pending_context(n)
         mask = (torch.arange(span, device=dev) < (lengths[:, None] + block)).view(n, 1, 1, span)
         hidden = self.drafter(
             self.target.embed(block_tokens), block_pos, block_pos, mask.expand(n, 1, block, span),
-            self.ctx_features[:n], ctx_pos.clamp(min=0), ctx_slots,
+            self.ctx_features[:n], ctx_pos, ctx_slots,
         )
         return self.target.logits(hidden[:, 1 : 1 + self.max_depth])
 
     def build_tree(self, n: int, span: int) -> Tree:
         if self.drafter is None:
+            return root_only(self.bonus[:n])
+        if self.budget_for(n) == 0:
+            # speculation off at this batch size: no draft, but the staged context (one token: step()
+            # wrote a drafting round's longer path already) still goes into the drafter cache, so that
+            # drafting resumes with the whole text when the batch shrinks
+            ctx_pos, ctx_slots = self.pending_context(n)
+            self.drafter.append_context(self.ctx_features[:n, :1], ctx_pos[:, :1], ctx_slots[:, :1])
             return root_only(self.bonus[:n])
         draft_logits = self.propose(n, span)
         self._mark("draft")
@@ -231,11 +245,14 @@ class Engine:
         decisions = decide(logits, self.temperature[:n], self.top_p[:n], self.generator, sampling)
         self._mark("verify")
         w = walk(tree, decisions, self.max_depth)
-        if self.max_depth > 0:
+        if self.max_depth > 0 and tree.size > 1:
             steps = torch.arange(self.max_depth + 1, device=dev)
             self.target.compact(lengths[:, None] + w.path, lengths[:, None] + steps)
         if taps is not None:
-            self.ctx_features[:n].copy_(torch.gather(taps, 1, w.path[..., None].expand(-1, -1, taps.shape[-1])))
+            if tree.size == 1:  # a round without a draft: the path is the root, the staged context one token
+                self.ctx_features[:n, :1].copy_(taps)
+            else:
+                self.ctx_features[:n].copy_(torch.gather(taps, 1, w.path[..., None].expand(-1, -1, taps.shape[-1])))
             self.ctx_count[:n].copy_(w.accepted)
         lengths.copy_(torch.where(active, lengths + w.accepted, lengths))
         self.bonus[:n].copy_(w.bonus)
@@ -255,6 +272,13 @@ class Engine:
         """Run one round on slots [0, n) and return, per slot, the tokens it emitted (idle slots: [])."""
         sampling = any(self.host_sampling[:n])
         needed = self.span_needed(n)
+        drafts = self.drafter is not None and self.budget_for(n) > 0
+        if self.drafter is not None and not drafts and self.drafted_last_round:
+            # a drafting round staged up to max_depth + 1 tokens of context: written here, eagerly (only
+            # when the batch grows past the sizes that draft), so that the round's graph writes one token
+            self.drafter.append_context(self.ctx_features[:n], *self.pending_context(n))
+            self.ctx_count[:n].zero_()
+        self.drafted_last_round = drafts
         if self.graphs is None or not self.graphs.run(n, needed, sampling):
             self.eager_rounds += 1
             self.round(n, min(self.max_slots, -(-needed // 128) * 128), sampling)

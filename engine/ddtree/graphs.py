@@ -23,7 +23,7 @@ class GraphShapeError(RuntimeError):
 class RoundShape:
     batch: int  # sequences per replay (slots [0, batch))
     span: int  # cache slots attended over
-    draft_tokens: int  # drafter queries per sequence (block_size; 0 without a drafter)
+    draft_tokens: int  # drafter queries per sequence (block_size; 0 without a draft)
     verify_tokens: int  # target tokens per sequence (this batch's budget + 1)
     sampling: bool
 
@@ -64,7 +64,8 @@ class RoundGraphs:
 
     def shape(self, batch: int, span: int, sampling: bool) -> RoundShape:
         e = self.engine
-        return RoundShape(batch, span, e.block_size if e.drafter is not None else 0, e.tree_size_for(batch), sampling)
+        drafts = e.drafter is not None and e.budget_for(batch) > 0  # budget 0: this bucket decodes plainly
+        return RoundShape(batch, span, e.block_size if drafts else 0, e.tree_size_for(batch), sampling)
 
     @torch.inference_mode()
     def capture(self, sampling: tuple[bool, ...] = (False,)) -> float:

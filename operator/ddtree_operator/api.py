@@ -137,7 +137,8 @@ class BudgetStep(_Model):
     """The draft-tree budget while at most `maxBatchSize` requests run."""
 
     max_batch_size: int = Field(ge=1, le=4096, description="Largest batch this budget applies to.")
-    budget: int = Field(ge=1, le=1024, description="Draft-tree node budget for those batches.")
+    budget: int = Field(ge=0, le=1024, description="Draft-tree node budget for those batches; 0 decodes "
+                        "them without drafting (where `ddtree bench` finds plain decoding faster).")
 
 
 class SpeculationSpec(_Model):
@@ -155,7 +156,8 @@ class SpeculationSpec(_Model):
         default=None,
         max_length=16,
         description="A budget per batch size, replacing `budget` (`--budget 1:32,16:8`; `ddtree bench` prints "
-        "the measured best): each entry holds up to its maxBatchSize, the last also beyond. Its batch "
+        "the measured best; budget 0 switches drafting off, `--budget 1:32,16:8,64:0`): each entry holds up "
+        "to its maxBatchSize, the last also beyond. Its batch "
         "sizes must be among the graph batch buckets. Method ddtree only.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["maxBatchSize"]},
     )

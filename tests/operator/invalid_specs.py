@@ -58,8 +58,8 @@ INVALID_SPECS = {
 OUT_OF_BOUNDS_SPECS = {
     "budget-too-large": ({**VALID, "speculation": {"budget": 4096}}, "spec.speculation.budget"),
     "budget-zero": ({**VALID, "speculation": {"budget": 0}}, "spec.speculation.budget"),
-    "budget-step-zero": ({**VALID, "speculation": {"budgetByBatchSize": [{"maxBatchSize": 4, "budget": 0}]}},
-                         "spec.speculation.budgetByBatchSize[0].budget"),
+    "budget-step-negative": ({**VALID, "speculation": {"budgetByBatchSize": [{"maxBatchSize": 4, "budget": -1}]}},
+                             "spec.speculation.budgetByBatchSize[0].budget"),
     "negative-replicas": ({**VALID, "replicas": -1}, "spec.replicas"),
     "unknown-method": ({**VALID, "speculation": {"method": "eagle"}}, "spec.speculation.method"),
     "bad-memory-quantity": ({**VALID, "resources": {"memory": "lots"}}, "spec.resources.memory"),

@@ -213,6 +213,8 @@ def test_tensor_parallel_pods_get_nvlink_multicast_off_unless_the_spec_says_othe
 
 def test_budget_by_batch_size_renders_one_budget_flag_sorted_by_batch():
     spec = SpeculativeDeploymentSpec.model_validate({**VALID, "speculation": {
-        "batchBuckets": [1, 4, 16], "budgetByBatchSize": [{"maxBatchSize": 16, "budget": 8}, {"maxBatchSize": 1, "budget": 32}]}})
+        "batchBuckets": [1, 4, 16, 64], "budgetByBatchSize": [{"maxBatchSize": 16, "budget": 8}, {"maxBatchSize": 64, "budget": 0},
+                                                              {"maxBatchSize": 1, "budget": 32}]}})
     args = container(render_deployment(OWNER, spec, DEFAULTS))["args"]
-    assert args.count("--budget") == 1 and args[args.index("--budget") + 1] == "1:32,16:8"
+    # budget 0: no drafting from 17 to 64 requests
+    assert args.count("--budget") == 1 and args[args.index("--budget") + 1] == "1:32,16:8,64:0"
