@@ -150,8 +150,13 @@ def check_attention(device, dtype, cases):
         cut = mask.clone()
         for b in range(cut.shape[0]):
             cut[b, ..., 1 + b + span // 4:] = False
+        # and a verify's: committed text every query sees, then the tree's slots, then slots past it
+        tree = mask.clone()
+        for b in range(tree.shape[0]):
+            tree[b, ..., :span // 2 + 3 * b + 5] = True
+            tree[b, ..., span // 2 + 3 * b + 5 + T:] = False
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
-        for m in (mask.to(device), cut.to(device)):
+        for m in (mask.to(device), cut.to(device), tree.to(device)):
             out = attention(q, kc, vc, m, rows)
             sel = rows if rows_given else torch.arange(bs, device=device)
             ref = F.scaled_dot_product_attention(q.float(), kc[sel, :, :span].float(), vc[sel, :, :span].float(),
