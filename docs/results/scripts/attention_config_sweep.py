@@ -1,8 +1,8 @@
 # Session 5: kernels.attention configurations for verify / drafter widths (8B shape: 32 heads, 8 KV heads,
 # head dim 128, 1024 cached tokens), 36 layers' caches per CUDA graph; us per call. Plus M=33 GEMMs cuBLAS vs cuBLASLt.
 import functools, itertools, json, sys, torch, torch.nn.functional as F
-from ddtree import kernels as K
 from graph_timing import timed
+from attention_timing import attention_case
 torch.manual_seed(0)
 dev = "cuda"
 res = {}
@@ -10,24 +10,7 @@ grid = [dict(chunk=c, max_rows=mr, block_n=bn, num_warps=w, num_stages=st)
         for c, mr, bn, w, st in itertools.product((64, 128, 256), (64, 128), (32, 64), (4, 8), (2, 3))]
 default = dict(chunk=128, max_rows=64, block_n=64, num_warps=4, num_stages=2)
 def case(bs, T, configs):
-    ctx = 1024; span = ctx + T
-    store = torch.randn(36, 2, bs, 8, span + 1, 128, device=dev, dtype=torch.bfloat16)
-    q = torch.randn(bs, 32, T, 128, device=dev, dtype=torch.bfloat16)
-    j = torch.arange(span, device=dev)
-    mask = (j[None, :] < ctx) | (torch.rand(T, span, device=dev) < 0.3) & (j[None, :] < ctx + 1 + torch.arange(T, device=dev)[:, None])
-    mask = mask[None, None].expand(bs, 1, T, span).contiguous()
-    k0, v0 = store[0, 0, :bs, :, :span], store[0, 1, :bs, :, :span]
-    ref = F.scaled_dot_product_attention(q.float(), k0.float(), v0.float(), attn_mask=mask, enable_gqa=True).transpose(1, 2).reshape(bs, T, -1)
-    row = {"sdpa": timed([functools.partial(F.scaled_dot_product_attention, q, store[l, 0, :bs, :, :span], store[l, 1, :bs, :, :span],
-                                            attn_mask=mask, enable_gqa=True) for l in range(36)])}
-    for cfg in configs:
-        try:
-            fns = [functools.partial(K.attention, q, store[l, 0], store[l, 1], mask, None, **cfg) for l in range(36)]
-            err = (fns[0]().float() - ref).abs().max().item()
-            row[json.dumps(cfg)] = [round(timed(fns), 2), round(err, 4)]
-        except Exception as exc:
-            row[json.dumps(cfg)] = repr(exc)[:120]
-    ok = sorted((v[0], k) for k, v in row.items() if isinstance(v, list))
+    row, ok = attention_case(bs, T, configs, sdpa=True)
     print(f"bs={bs} T={T}: sdpa {row['sdpa']:.2f}  default {row.get(json.dumps(default))}  best {ok[:4]}", flush=True)
     res[f"bs{bs} T{T}"] = row
     return [json.loads(k) for _, k in ok[:6]]
