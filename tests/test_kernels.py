@@ -343,6 +343,39 @@ def test_engine_with_kernels_is_lossless():
         assert [r.token_ids for r in engine.generate(prompts, params)] == expect, method
 
 @interp
+def test_drafter_with_kernels_equals_without():
+    """The drafter's block forward and context append (prompt rows given, and padding rows sent to the
+    trash slot) with the kernels: outputs and caches as with the PyTorch path."""
+    from tiny_models import random_target
+
+    from ddtree.drafter import DrafterConfig, init_drafter
+
+    target = random_target(seed=5)
+    results = []
+    for on in (False, True):
+        drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=2, block_size=4), seed=6)
+        drafter.use_kernels(on)
+        drafter.setup_caches(max_batch=3, max_slots=24)
+        g = torch.Generator().manual_seed(0)
+        feat = torch.randn(2, 6, drafter.fc.in_features, generator=g)
+        j = torch.arange(6)
+        with torch.no_grad():
+            drafter.append_context(feat, j.expand(2, -1), j.expand(2, -1), rows=torch.tensor([2, 0]))
+            # a round: 3 staged context rows (the last one padding, to the trash slot), then a block of 4
+            ctx_pos = torch.tensor([[6, 7, 8], [6, 7, 8]])
+            ctx_slots = torch.tensor([[6, 7, 24], [6, 7, 24]])
+            block_pos = 8 + torch.arange(4).expand(2, -1)
+            mask = torch.ones(2, 1, 4, 12, dtype=torch.bool)
+            out = drafter(torch.randn(2, 4, target.config.hidden_size, generator=g), block_pos, block_pos, mask,
+                          torch.randn(2, 3, drafter.fc.in_features, generator=g), ctx_pos, ctx_slots)
+        caches = [torch.stack([layer.self_attn.kv_cache.k[:, :, :24], layer.self_attn.kv_cache.v[:, :, :24]])
+                  for layer in drafter.layers]
+        results.append((out, torch.stack(caches)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@interp
 def test_switch_is_explicit_and_dropped_on_move():
     model = tiny_qwen3()
     assert not model.kernels
@@ -407,9 +440,10 @@ def test_kernels_compile_for_h200_without_a_gpu():
     for dtype in ("bf16", "fp32"):
         for norm in (False, True):
             for rows in (False, True):
-                compile_(K._qk_norm_rope_kv_kernel, dtype,
-                         dict(rows_ptr="*i64", slots_ptr="*i64", T="i32", eps="fp32"),
-                         dict(N_HEADS=32, HALF=64, BLOCK=64, HAS_NORM=norm, HAS_ROWS=rows), 1)
+                for n_heads in (32, 0):  # 0: k and v only (the drafter's context append)
+                    compile_(K._qk_norm_rope_kv_kernel, dtype,
+                             dict(rows_ptr="*i64", slots_ptr="*i64", T="i32", eps="fp32"),
+                             dict(N_HEADS=n_heads, HALF=64, BLOCK=64, HAS_NORM=norm, HAS_ROWS=rows), 1)
         compile_(K._silu_mul_kernel, dtype, dict(inter="i32"), dict(BLOCK=1024), 4)
         for silu_mul in (False, True):
             for even in (False, True):

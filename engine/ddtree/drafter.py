@@ -162,27 +162,38 @@ class DrafterAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.kv_cache: KVCache | None = None
         self.tp = None  # parallel.TensorParallel when split (parallel.shard_drafter): o_proj outputs are partial sums
-        self.kernels = False  # kernels.attention instead of SDPA, see DFlashDrafter.use_kernels()
+        self.kernels = False  # Triton norm + RoPE + KV write and attention, see DFlashDrafter.use_kernels()
+
+    def _heads(self, proj: nn.Linear, x: Tensor, heads: int) -> Tensor:
+        return proj(x).view(*x.shape[:2], heads, self.head_dim)
 
     def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        bs, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(bs, T, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(bs, T, self.n_kv, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        k = self.k_norm(self._heads(self.k_proj, x, self.n_kv)).transpose(1, 2)
+        return apply_rope(k, cos, sin), self._heads(self.v_proj, x, self.n_kv).transpose(1, 2)
 
     def append_context(self, ctx: Tensor, rope_ctx, ctx_slots: Tensor, rows: Tensor | None = None) -> None:
-        self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx), rows)
+        if self.kernels:  # k norm, RoPE and both cache writes in one kernel (no query heads)
+            k, v = self._heads(self.k_proj, ctx, self.n_kv), self._heads(self.v_proj, ctx, self.n_kv)
+            w = self.k_norm.weight
+            kernels.qk_norm_rope_kv(k[:, :, :0], k, v, *rope_ctx, w, w, self.k_norm.eps, self.kv_cache.k,
+                                    self.kv_cache.v, rows, ctx_slots)
+        else:
+            self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx), rows)
 
     def forward(self, x: Tensor, ctx: Tensor | None, rope_blk, rope_ctx, blk_slots, ctx_slots, mask) -> Tensor:
         bs, T, _ = x.shape
         if ctx is not None:  # append the new context keys/values first
             self.append_context(ctx, rope_ctx, ctx_slots)
-        self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
-        q = self.q_norm(self.q_proj(x).view(bs, T, self.n_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, *rope_blk)
-        if self.kernels:
-            out = kernels.attention(q.contiguous(), self.kv_cache.k, self.kv_cache.v, mask, None)
+        if self.kernels:  # q/k norms, RoPE and the block's cache writes in one kernel
+            q = kernels.qk_norm_rope_kv(
+                self._heads(self.q_proj, x, self.n_heads), self._heads(self.k_proj, x, self.n_kv),
+                self._heads(self.v_proj, x, self.n_kv), *rope_blk, self.q_norm.weight, self.k_norm.weight,
+                self.q_norm.eps, self.kv_cache.k, self.kv_cache.v, None, blk_slots)
+            out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, None)
         else:
+            self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
+            q = self.q_norm(self._heads(self.q_proj, x, self.n_heads)).transpose(1, 2)
+            q = apply_rope(q, *rope_blk)
             k_all, v_all = self.kv_cache.read(bs, mask.shape[-1])
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
             out = out.transpose(1, 2).reshape(bs, T, -1)
@@ -217,7 +228,8 @@ class DFlashDrafter(nn.Module):
         self.max_batch = self.max_slots = 0
 
     def use_kernels(self, on: bool) -> None:
-        """Block attention by kernels.attention (CUDA, or CPU under the Triton interpreter) or SDPA."""
+        """The Triton kernels (CUDA, or CPU under the Triton interpreter) for the q/k norms, RoPE, cache
+        writes and block attention, or the PyTorch path (SDPA)."""
         for layer in self.layers:
             layer.self_attn.kernels = on
 
