@@ -23,6 +23,15 @@ def test_examples_pass_server_side_dry_run(cluster, chart_installed, namespace, 
     assert "created (server dry run)" in result.stdout
 
 
+def test_budget_zero_per_batch_size_is_accepted(cluster, chart_installed, namespace):
+    """Budget 0 in budgetByBatchSize (drafting off at those batch sizes) passes the schema and the rules."""
+    spec = {**VALID, "speculation": {"batchBuckets": [1, 2, 4], "budgetByBatchSize": [
+        {"maxBatchSize": 1, "budget": 32}, {"maxBatchSize": 4, "budget": 0}]}, "engine": {"maxBatchSize": 4}}
+    SpeculativeDeploymentSpec.model_validate(spec)
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=resource("budget-zero", spec))
+    assert "created (server dry run)" in result.stdout
+
+
 @pytest.mark.parametrize("case", INVALID_SPECS, ids=str)
 def test_cel_rules_reject_with_their_message(cluster, chart_installed, namespace, case):
     spec, message = INVALID_SPECS[case]
