@@ -165,11 +165,28 @@ def check_attention(device, dtype, cases):
             torch.testing.assert_close(out.float(), ref.transpose(1, 2).reshape(bs, T, -1), **TOL[dtype])
 
 
+def check_mask_extent(device):
+    """One past the last slot any query sees, per sequence: masks that end early, all-False ones,
+    broadcast over the batch, one query and more queries than a row tile holds."""
+    from ddtree.kernels import mask_extent
+
+    g = torch.Generator().manual_seed(3)
+    for bs, T, span in ((3, 33, 1100), (2, 1, 300), (1, 130, 9000), (4, 9, 17)):
+        mask = torch.rand(bs, 1, T, span, generator=g) < 0.2
+        for b in range(bs):
+            mask[b, ..., (b * 997) % span:] = False  # sequence 0 sees nothing
+        want = [max((j + 1 for j in range(span) if mask[b, 0, :, j].any()), default=0) for b in range(bs)]
+        assert mask_extent(mask.to(device)).tolist() == want, (bs, T, span)
+        row = mask[1:2] if bs > 1 else mask
+        assert mask_extent(row.to(device).expand(bs, 1, T, span)).tolist() == [want[1 if bs > 1 else 0]] * bs
+
+
 ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask broadcast over the batch)
     (2, 4, 2, 5, 16, 200, False, False), (1, 4, 1, 33, 12, 130, False, True), (3, 2, 2, 1, 16, 64, True, False),
-    (2, 8, 2, 1, 16, 100, True, False), (1, 8, 2, 16, 16, 150, False, True),  # 4 heads per program: 4 and 64 rows
-    (1, 2, 1, 130, 16, 260, True, False),  # 3 blocks of rows (B = 129)
-    (1, 4, 1, 9, 16, 300, False, False),  # few row programs: chunks of 32, most unseen once cut
+    (2, 8, 2, 1, 16, 100, True, False), (1, 8, 2, 16, 16, 150, False, True),  # 4 heads a KV head: 4 and 64 rows
+    (1, 2, 1, 130, 16, 260, True, False),  # 5 blocks of rows (B = 129)
+    (1, 4, 1, 9, 16, 300, False, False),  # few row programs: chunks of 64, most unseen once cut
+    (2, 6, 2, 33, 16, 140, True, False),  # 3 heads a KV head (SmolLM2): a token's heads across two row blocks
 ]
 
 
@@ -304,6 +321,18 @@ def test_model_with_kernels_equals_without(qk_norm):
 
 
 @interp
+@pytest.mark.parametrize("parts", [1, 4])
+def test_model_with_kernels_and_o_partial_products(monkeypatch, parts):
+    """The o projection as 4 partial products (kernels.linear_parts) summed by add_rms_norm, or as one
+    GEMM; test_model_with_kernels_equals_without runs the default (2, on the forwards of 2-48 rows)."""
+    from ddtree import kernels
+
+    monkeypatch.setattr(kernels, "O_PARTS", parts)
+    check_model("cpu", torch.float32, qk_norm=True)
+    check_model("cpu", torch.bfloat16, qk_norm=True)
+
+
+@interp
 def test_model_with_kernels_past_the_decode_attention_batch(monkeypatch):
     """One-token steps of more sequences than ATTENTION_DECODE_MAX_BATCH go through SDPA inside the
     kernels path; here from 2 sequences on, so that run_model's batch-2 decode step takes that branch."""
@@ -317,6 +346,11 @@ def test_model_with_kernels_past_the_decode_attention_batch(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention(dtype):
     check_attention("cpu", dtype, ATTENTION_CASES)
+
+
+@interp
+def test_mask_extent():
+    check_mask_extent("cpu")
 
 @interp
 def test_best_first_tree_kernel_equals_the_tensorised_tree():
@@ -449,17 +483,20 @@ def test_kernels_compile_for_h200_without_a_gpu():
             for even in (False, True):
                 compile_(K._gemv_kernel, dtype, dict(N="i32", w_sn="i32"),
                          dict(K=4096, BLOCK_N=16, BLOCK_K=512, SILU_MUL=silu_mul, HAS_BIAS=not silu_mul, EVEN=even), 4)
-        k = compile_(K._add_rms_norm_kernel, dtype, dict(N="i32", eps="fp32"), dict(BLOCK=4096), 8)
+        compile_(K._add_rms_norm_kernel, dtype, dict(x_ptr="*fp32", N="i32", eps="fp32"), dict(BLOCK=4096, PARTS=2), 8)
+        k = compile_(K._add_rms_norm_kernel, dtype, dict(N="i32", eps="fp32"), dict(BLOCK=4096, PARTS=1), 8)
         if dtype == "fp32":
             compile_(K._best_first_tree_kernel, dtype,
                      dict(top_tok_ptr="*i64", roots_ptr="*i64", tokens_ptr="*i64", parents_ptr="*i64",
                           depth_ptr="*i64", valid_ptr="*i8", visible_ptr="*i8", D="i32", K="i32", N="i32"),
                      dict(B=128, CAP=256, N_PAD=256), 4)
+        compile_(K._mask_extent_kernel, dtype, dict(mask_ptr="*i8", extent_ptr="*i32", T="i32", span="i32"),
+                 dict(BLOCK_T=64, BLOCK_S=128), 4)
         for rows in (False, True):
             compile_(K._attention_partial_kernel, dtype,
-                     dict(mask_ptr="*i8", rows_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", T="i32", span="i32",
+                     dict(mask_ptr="*i8", extent_ptr="*i32", rows_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", T="i32", span="i32",
                           scale="fp32", SPLITS="i32", ROW_BLOCKS="i32"),
-                     dict(H=32, GROUP=4, HPP=4, D=128, CHUNK=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
+                     dict(H=32, GROUP=4, D=128, CHUNK=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
                           HAS_ROWS=rows, FP32_DOT=False, PRECISION="ieee" if dtype == "fp32" else "tf32"), 4)
         compile_(K._attention_combine_kernel, dtype, dict(acc_ptr="*fp32", ml_ptr="*fp32", T="i32", SPLITS="i32"),
                  dict(H=32, D=128, S_PAD=16, BLOCK_D=128), 2)
@@ -486,6 +523,7 @@ def test_compiled_kernels_equal_the_reference(dtype):
     for case in GEMV_CASES + [(6144, 4096, False, True, None), (4096, 12288, True, False, None), (1000, 700, True, False, None)]:
         check_gemv("cuda", dtype, *case)
     check_best_first_tree("cuda")
+    check_mask_extent("cuda")
     check_attention("cuda", dtype, ATTENTION_CASES + [(1, 32, 8, 33, 128, 1152, False, False),
                                                       (16, 32, 8, 1, 128, 1152, True, False), (4, 9, 3, 16, 64, 300, False, True),
                                                       (2, 9, 3, 129, 64, 1200, False, False)])
@@ -494,9 +532,13 @@ def test_compiled_kernels_equal_the_reference(dtype):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_model_with_kernels_equals_without(dtype):
-    for qk_norm in (True, False):
-        check_model("cuda", dtype, qk_norm)
+def test_compiled_model_with_kernels_equals_without(dtype, monkeypatch):
+    from ddtree import kernels
+
+    for parts in (kernels.O_PARTS, 1, 4):  # o as partial products: as shipped, none, four
+        monkeypatch.setattr(kernels, "O_PARTS", parts)
+        for qk_norm in (True, False):
+            check_model("cuda", dtype, qk_norm)
 
 
 @gpu

@@ -180,7 +180,8 @@ class DrafterAttention(nn.Module):
         else:
             self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx), rows)
 
-    def forward(self, x: Tensor, ctx: Tensor | None, rope_blk, rope_ctx, blk_slots, ctx_slots, mask) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor | None, rope_blk, rope_ctx, blk_slots, ctx_slots, mask,
+                extent: Tensor | None = None) -> Tensor:
         bs, T, _ = x.shape
         if ctx is not None:  # append the new context keys/values first
             self.append_context(ctx, rope_ctx, ctx_slots)
@@ -189,7 +190,7 @@ class DrafterAttention(nn.Module):
                 self._heads(self.q_proj, x, self.n_heads), self._heads(self.k_proj, x, self.n_kv),
                 self._heads(self.v_proj, x, self.n_kv), *rope_blk, self.q_norm.weight, self.k_norm.weight,
                 self.q_norm.eps, self.kv_cache.k, self.kv_cache.v, None, blk_slots)
-            out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, None)
+            out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, None, extent)
         else:
             self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
             q = self.q_norm(self._heads(self.q_proj, x, self.n_heads)).transpose(1, 2)
@@ -209,8 +210,8 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask)
+    def forward(self, x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, extent=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, extent)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -267,8 +268,11 @@ class DFlashDrafter(nn.Module):
             ctx = self.hidden_norm(self.fc(ctx_features))
             rope_ctx = rope_cos_sin(self.inv_freq, ctx_positions, dtype)
         x = block_embeds
+        bs, T, _ = x.shape
+        extent = (kernels.mask_extent(mask.expand(bs, 1, T, mask.shape[-1]))  # shared by the layers
+                  if self.layers and self.layers[0].self_attn.kernels else None)
         for layer in self.layers:
-            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, mask)
+            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, mask, extent)
         return self.norm(x)
 
     def append_context(self, ctx_features: Tensor, positions: Tensor, slots: Tensor, rows: Tensor | None = None) -> None:

@@ -143,12 +143,14 @@ if triton is not None:
         tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, N, eps, x_s, r_s, out_s, res_s,
-                             BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, N, eps, x_s, r_s, out_s, res_s, part_s,
+                             BLOCK: tl.constexpr, PARTS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < N
         x = tl.load(x_ptr + row * x_s + c, mask=m, other=0.0).to(tl.float32)
+        for p in tl.static_range(1, PARTS):  # partial products of linear_parts
+            x += tl.load(x_ptr + p * part_s + row * x_s + c, mask=m, other=0.0).to(tl.float32)
         r = tl.load(r_ptr + row * r_s + c, mask=m, other=0.0).to(tl.float32)
         # the residual stream is kept in the model dtype; normalise that rounded sum, as the unfused path does
         s = (x + r).to(res_ptr.dtype.element_ty)
@@ -222,32 +224,32 @@ if triton is not None:
 
     @triton.jit
     def _attention_partial_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, acc_ptr, ml_ptr,
+        q_ptr, k_ptr, v_ptr, mask_ptr, extent_ptr, rows_ptr, acc_ptr, ml_ptr,
         T, span, scale, SPLITS, ROW_BLOCKS,
         q_sb, q_sh, q_st, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, m_sb, m_st, m_ss, rows_s,
-        H: tl.constexpr, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+        H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr,
         FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        # program (sequence b, HPP query heads sharing one KV head, a block of their rows, key chunk s):
+        # program (sequence b, the GROUP query heads of KV head kvh, a block of their rows, key chunk s):
         # a softmax over that chunk's keys, kept unnormalised with its row max and row sum for the combine
-        # kernel (flash-decoding). Row r is query token r % T of head h0 + r // T, so heads that share a
-        # KV head read its keys once.
+        # kernel (flash-decoding). Row r is query head kvh * GROUP + r % GROUP of token r // GROUP: the
+        # heads that share a KV head read its keys once, and a token's heads, in consecutive rows, share
+        # its mask row. (One head's tokens per row block instead took 1.5-1.7 x as long: docs/benchmarks.md)
         pid = tl.program_id(0)
         split = tl.program_id(1)
         block = pid % ROW_BLOCKS
         pid = pid // ROW_BLOCKS
-        b = (pid // (H // HPP)).to(tl.int64)
-        h0 = (pid % (H // HPP)) * HPP
-        kvh = h0 // GROUP
+        b = (pid // (H // GROUP)).to(tl.int64)
+        kvh = pid % (H // GROUP)
         if HAS_ROWS:
             row = tl.load(rows_ptr + b * rows_s)
         else:
             row = b
         r = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        head = h0 + r // T
-        t = r % T
-        used = r < HPP * T
+        head = kvh * GROUP + r % GROUP
+        t = r // GROUP
+        used = r < GROUP * T
         d = tl.arange(0, BLOCK_D)
         j0 = tl.arange(0, BLOCK_N)
         q = tl.load(q_ptr + b * q_sb + head[:, None] * q_sh + t[:, None] * q_st + d[None, :],
@@ -259,13 +261,16 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         kbase = k_ptr + row * k_sb + kvh * k_sh
         vbase = v_ptr + row * v_sb + kvh * v_sh
+        # keys from the last one any query of the sequence sees on are not read (a graph's span bucket
+        # is often far longer than the live text): a scalar test, where a test of the mask tile took a
+        # reduction over the tile and kept the key loads waiting for the mask (docs/benchmarks.md)
+        extent = tl.minimum(tl.load(extent_ptr + b), span)
         for n0 in range(0, CHUNK, BLOCK_N):
-            j = split * CHUNK + n0 + j0
-            live = j < span
-            seen = tl.load(mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
-                           mask=used[:, None] & live[None, :], other=0) != 0
-            # keys no row sees are not read: a graph's span bucket is often far longer than the live text
-            if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:
+            if split * CHUNK + n0 < extent:
+                j = split * CHUNK + n0 + j0
+                live = j < extent
+                seen = tl.load(mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
+                               mask=used[:, None] & live[None, :], other=0) != 0
                 k = tl.load(kbase + j[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
                 v = tl.load(vbase + j[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
                 if FP32_DOT:
@@ -283,6 +288,18 @@ if triton is not None:
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=used[:, None])
         tl.store(ml_ptr + part * 2, m_i, mask=used)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=used)
+
+    @triton.jit
+    def _mask_extent_kernel(mask_ptr, extent_ptr, T, span, m_sb, m_st, m_ss, BLOCK_T: tl.constexpr,
+                            BLOCK_S: tl.constexpr):
+        # program (sequence b, BLOCK_S slots): extent[b] = max(extent[b], 1 + last of them a query sees)
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.arange(0, BLOCK_T)
+        s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+        seen = tl.load(mask_ptr + b * m_sb + t[:, None] * m_st + s[None, :] * m_ss,
+                       mask=(t < T)[:, None] & (s < span)[None, :], other=0) != 0
+        last = tl.max(tl.max(tl.where(seen, s[None, :] + 1, 0), axis=1), axis=0)
+        tl.atomic_max(extent_ptr + b, last)
 
     @triton.jit
     def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, SPLITS, o_sb, o_st, o_sh,
@@ -380,17 +397,49 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul: bool =
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual) * weight, x + residual), both new tensors in x's dtype."""
-    n = x.shape[-1]
-    x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)
-    assert x2.stride(-1) == r2.stride(-1) == 1 and weight.is_contiguous()
-    normed, res = torch.empty_like(x2), torch.empty_like(x2)
-    if x2.shape[0]:
+    """(rms_norm(x + residual) * weight, x + residual), both new tensors in the residual's dtype. x may
+    have a leading dim of partial products to sum first (the output of linear_parts)."""
+    n = residual.shape[-1]
+    parts = x.shape[0] if x.dim() == residual.dim() + 1 else 1
+    x3, r2 = x.reshape(parts, -1, n), residual.reshape(-1, n)
+    assert x3.stride(-1) == r2.stride(-1) == 1 and weight.is_contiguous() and x3.shape[1] == r2.shape[0]
+    normed, res = torch.empty_like(r2), torch.empty_like(r2)
+    if r2.shape[0]:
         block = triton.next_power_of_2(n)
-        _add_rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, normed, res, n, eps, x2.stride(0), r2.stride(0), normed.stride(0), res.stride(0),
-            BLOCK=block, num_warps=min(16, max(1, block // 512)))
-    return normed.view(x.shape), res.view(x.shape)
+        _add_rms_norm_kernel[(r2.shape[0],)](
+            x3, r2, weight, normed, res, n, eps, x3.stride(1), r2.stride(0), normed.stride(0), res.stride(0),
+            x3.stride(0), BLOCK=block, PARTS=parts, num_warps=min(16, max(1, block // 512)))
+    return normed.view(residual.shape), res.view(residual.shape)
+
+
+# partial products of the o projection (linear_parts) for a forward of 2..O_PARTS_MAX_ROWS rows. Measured in
+# whole forwards of the 8B shape (docs/benchmarks.md, seventh session): two took 0.05-0.06 ms off 16, 17
+# and 33 rows and added 0.03 ms at 64; four were no faster than two. Splitting q/k/v or down, and down on
+# cuBLASLt, were faster alone but not in the forward
+O_PARTS = 2
+O_PARTS_MAX_ROWS = 48
+
+
+def o_parts(rows: int, k: int) -> int:
+    """How many partial products the o projection (input dim k) takes at `rows` rows (1: one GEMM)."""
+    return O_PARTS if 1 < rows <= O_PARTS_MAX_ROWS and k % O_PARTS == 0 else 1
+
+
+def linear_parts(x: Tensor, weight: Tensor, parts: int) -> Tensor:
+    """F.linear(x, weight) as `parts` partial products over equal slices of the input dim, returned
+    unsummed as [parts, *x.shape[:-1], N] in fp32 for add_rms_norm to add up as it reads them.
+
+    For a few rows cuBLAS cuts a 4096-wide projection into 64 output tiles, which leaves half the
+    H200's SMs idle while it streams the weight (the o projection of the 8B shape took 16.5 us at 33
+    rows, twice its HBM time), or splits K itself and adds a reduction kernel. One batched GEMM over
+    the slices has `parts` times the tiles and no reduction kernel."""
+    *lead, k = x.shape
+    n = weight.shape[0]
+    assert k % parts == 0 and weight.shape[1] == k and weight.stride(-1) == 1
+    a = x.reshape(-1, parts, k // parts).transpose(0, 1)  # [parts, rows, k / parts]
+    b = weight.view(n, parts, k // parts).permute(1, 2, 0)  # [parts, k / parts, n]
+    out = torch.bmm(a, b, out_dtype=torch.float32) if x.is_cuda else torch.bmm(a.float(), b.float())
+    return out.view(parts, *lead, n)
 
 
 def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int):
@@ -424,32 +473,55 @@ ATTENTION_MAX_TOKENS = 256
 ATTENTION_DECODE_MAX_BATCH = 16
 
 
+def attention_applies(bs: int, T: int) -> bool:
+    """Whether the model's forward of bs sequences x T new tokens uses `attention` (else SDPA)."""
+    return 1 < T <= ATTENTION_MAX_TOKENS or T == 1 and bs <= ATTENTION_DECODE_MAX_BATCH
+
+
 def attention_chunk(bs: int, T: int, row_programs: int) -> int:
-    """Key slots per program. Few programs along the rows (bs * KV-head groups * row blocks) need
-    short chunks to fill the GPU; many take long ones, which cut the partial results to merge.
-    Fastest of 32/64/128/256 on the 8B shape at 1024 tokens of context (docs/benchmarks.md):
-    one token: 32 at batch 1, 64 at batch 16; verify and draft widths: 32 for 8 row programs
-    (batch 1, 9 tokens), 128 for 16 (batch 1, 17 tokens), 256 from 32 (batch 1, 33 tokens; batch 16)."""
+    """Key slots per program. Few programs along the rows (bs * KV heads * row blocks) need short
+    chunks to fill the GPU; many take long ones, which cut the partial results to merge.
+    Fastest of 32/64/128/256 on the 8B shape at 1024 tokens of context (docs/benchmarks.md, seventh
+    session): one token: 32 at batch 1, 64 at batch 16; verify and draft widths: 64 for 8 and 16 row
+    programs (batch 1, 9/16/17 tokens), 128 for 24 and 40 (batch 1, 33 and 65 tokens), 256 from 96
+    (batch 4, 33 tokens; batch 16, 9 and 17 tokens)."""
     if T == 1:
         return 32 if bs < 16 else 64
-    return 256 if row_programs >= 32 else 128 if row_programs >= 16 else 32
+    return 256 if row_programs >= 64 else 128 if row_programs >= 24 else 64
+
+
+def mask_extent(mask: Tensor) -> Tensor:
+    """[bs] int32: one past the last slot any query of each sequence sees, for a [bs, 1, T, span] bool
+    mask with T <= ATTENTION_MAX_TOKENS (broadcast strides are fine). The layers of a forward share
+    one mask, so the model computes this once per forward for kernels.attention."""
+    bs, _, T, span = mask.shape
+    extent = torch.zeros(bs, dtype=torch.int32, device=mask.device)
+    if bs * T * span:
+        m8 = mask.view(torch.int8)
+        block_t = triton.next_power_of_2(T)
+        block_s = max(128, 8192 // block_t)
+        _mask_extent_kernel[(bs, triton.cdiv(span, block_s))](
+            m8, extent, T, span, m8.stride(0), m8.stride(2), m8.stride(3), BLOCK_T=block_t, BLOCK_S=block_s,
+            num_warps=4)
+    return extent
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: Tensor | None,
-              chunk: int | None = None, max_rows: int = 64, block_n: int = 64, num_warps: int = 4,
-              num_stages: int = 2) -> Tensor:
+              extent: Tensor | None = None, chunk: int | None = None, max_rows: int = 64, block_n: int = 64,
+              num_warps: int = 4, num_stages: int = 2) -> Tensor:
     """Masked attention of a few query tokens over the cache (a verify, the drafter's block).
 
     q [bs, heads, T, hd]; caches [max_batch, kv_heads, slots, hd] (GQA: heads a multiple of kv_heads);
     mask [bs, 1, T, span] bool (broadcast strides are fine) says which of the first `span` slots each
-    query sees; rows [bs] cache rows (None: 0..bs-1). Returns [bs, T, heads * hd], the layout o_proj takes.
+    query sees; rows [bs] cache rows (None: 0..bs-1); extent: mask_extent(mask) (computed here when None).
+    Returns [bs, T, heads * hd], the layout o_proj takes.
 
     SDPA spent ~49 us a layer on a 33-token verify at 1024 tokens of context (one program per head
     streamed every key, most SMs idle, and the boolean mask became an additive one). Here the keys are
-    split into chunks of `chunk` slots (default: attention_chunk), one program per (sequence, heads
-    sharing a KV head, chunk), and a second kernel merges the chunks' softmaxes: flash-decoding with
-    the mask read as is. max_rows (rows per program), block_n (keys per step), num_warps and
-    num_stages are tuning knobs, kept for docs/results/scripts/attention_config_sweep.py."""
+    split into chunks of `chunk` slots (default: attention_chunk), one program per (sequence, KV head,
+    block of max_rows rows of its query heads, chunk), and a second kernel merges the chunks'
+    softmaxes: flash-decoding with the mask read as is. max_rows, block_n (keys per step), num_warps
+    and num_stages are tuning knobs, kept for the sweeps in docs/results/scripts/."""
     bs, heads, T, hd = q.shape
     kv_heads, span = k_cache.shape[1], mask.shape[-1]
     assert heads % kv_heads == 0 and span <= k_cache.shape[2]
@@ -459,26 +531,26 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: T
     if bs * T == 0:
         return out.view(bs, T, heads * hd)
     group = heads // kv_heads
-    # query heads of one KV head share a program while their rows fit a 64-row tile; longer rows
-    # (a tree of more than 63 nodes) are cut into blocks of 64
-    per_program = max((n for n in (1, 2, 4, 8, 16) if group % n == 0 and n * T <= max_rows), default=1)
-    block_m = min(max_rows, max(16, triton.next_power_of_2(per_program * T)))
+    # the rows of a KV head's query heads (group x T) in tiles of up to max_rows
+    block_m = min(max_rows, max(16, triton.next_power_of_2(group * T)))
     block_d = max(16, triton.next_power_of_2(hd))
-    row_blocks = triton.cdiv(per_program * T, block_m)
-    chunk = chunk or attention_chunk(bs, T, bs * heads // per_program * row_blocks)
+    row_blocks = triton.cdiv(group * T, block_m)
+    chunk = chunk or attention_chunk(bs, T, bs * kv_heads * row_blocks)
     splits = triton.cdiv(span, chunk)
     acc = torch.empty(bs * heads * splits * T, block_d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bs * heads * splits * T, 2, dtype=torch.float32, device=q.device)
     m8 = mask.view(torch.int8)
-    _attention_partial_kernel[(bs * heads // per_program * row_blocks, splits)](
-        q, k_cache, v_cache, m8, rows if rows is not None else m8, acc, ml,
+    extent = mask_extent(mask) if extent is None else extent
+    _attention_partial_kernel[(bs * kv_heads * row_blocks, splits)](
+        q, k_cache, v_cache, m8, extent, rows if rows is not None else m8, acc, ml,
         T, span, hd ** -0.5, splits, row_blocks,  # runtime values: new prompt lengths compile nothing new
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m8.stride(0), m8.stride(2), m8.stride(3),
         rows.stride(0) if rows is not None else 0,
-        H=heads, GROUP=group, HPP=per_program, D=hd, CHUNK=chunk, BLOCK_M=block_m,
+        H=heads, GROUP=group, D=hd, CHUNK=chunk, BLOCK_M=block_m,
         BLOCK_N=min(block_n, chunk), BLOCK_D=block_d, HAS_ROWS=rows is not None, FP32_DOT=q.device.type == "cpu",
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        num_stages=num_stages,
     )
     _attention_combine_kernel[(bs * heads, T)](
         acc, ml, out, T, splits, out.stride(0), out.stride(1), out.stride(2),

@@ -189,7 +189,8 @@ class Attention(nn.Module):
         if self.q_proj.bias is not None:
             self.bqkv = _concat_views([p.bias for p in projs])
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, rows: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, rows: Tensor | None,
+                extent: Tensor | None = None) -> Tensor:
         bs, T, _ = x.shape
         one_row = self.kernels and bs * T == 1  # a batch-1 decode step: GEMVs (kernels.gemv)
         if self.wqkv is not None:
@@ -213,14 +214,19 @@ class Attention(nn.Module):
             q = apply_rope(q.transpose(1, 2), cos, sin)
             k = apply_rope(k.transpose(1, 2), cos, sin)
             self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
-        if self.kernels and (1 < T <= kernels.ATTENTION_MAX_TOKENS or T == 1 and bs <= kernels.ATTENTION_DECODE_MAX_BATCH):
-            out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, rows)
+        if self.kernels and kernels.attention_applies(bs, T):
+            out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, rows, extent)
         else:
             k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
             out = out.transpose(1, 2).reshape(bs, T, -1)
-        out = (kernels.gemv(out, self.o_proj.weight, self.o_proj.bias, config=kernels.GEMV_CONFIGS["o"]) if one_row
-               else self.o_proj(out))
+        parts = kernels.o_parts(bs * T, out.shape[-1]) if self.kernels and self.tp is None else 1
+        if one_row:
+            out = kernels.gemv(out, self.o_proj.weight, self.o_proj.bias, config=kernels.GEMV_CONFIGS["o"])
+        elif parts > 1 and self.o_proj.bias is None:  # [parts, bs, T, hidden], summed by add_rms_norm
+            out = kernels.linear_parts(out, self.o_proj.weight, parts)
+        else:
+            out = self.o_proj(out)
         return self.tp.all_reduce(out) if self.tp else out
 
 
@@ -276,13 +282,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(self, x: Tensor, h: Tensor, next_norm: RMSNorm, cos: Tensor, sin: Tensor, slots: Tensor,
-                      mask: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+                      mask: Tensor, rows: Tensor | None, extent: Tensor | None) -> tuple[Tensor, Tensor]:
         """The Triton path: each residual add is fused with the RMSNorm that follows it (this layer's
         post-attention norm, then the next layer's input norm or the final norm), so the layer takes
         the residual x and its normed h and returns the pair for the next one. Attention and MLP outputs
-        arrive already all-reduced under tensor parallelism, before the add, as in forward()."""
+        arrive already all-reduced under tensor parallelism, before the add, as in forward(). extent:
+        kernels.mask_extent(mask), shared by the layers."""
         post = self.post_attention_layernorm
-        h, x = kernels.add_rms_norm(self.self_attn(h, cos, sin, slots, mask, rows), x, post.weight, post.eps)
+        h, x = kernels.add_rms_norm(self.self_attn(h, cos, sin, slots, mask, rows, extent), x, post.weight, post.eps)
         h, x = kernels.add_rms_norm(self.mlp(h), x, next_norm.weight, next_norm.eps)
         return x, h
 
@@ -394,10 +401,12 @@ class Transformer(nn.Module):
         taps = {}
         layers = self.model.layers
         if self.kernels and len(layers):
+            bs, T = tokens.shape
+            extent = kernels.mask_extent(mask.expand(bs, 1, T, mask.shape[-1])) if kernels.attention_applies(bs, T) else None
             h = layers[0].input_layernorm(x)
             for i, layer in enumerate(layers):
                 next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-                x, h = layer.forward_fused(x, h, next_norm, cos, sin, slots, mask, rows)
+                x, h = layer.forward_fused(x, h, next_norm, cos, sin, slots, mask, rows, extent)
                 if i in tap_layers:
                     taps[i] = x
         else:
