@@ -9,8 +9,9 @@ replace them:
   add_rms_norm     residual add + RMSNorm of the sum
 
 and, for a batch-1 decode step, `gemv` replaces cuBLAS's split-K GEMMs for one row (with silu_mul folded
-into the down projection). `attention` and `best_first_tree` replace SDPA over the tree mask and the
-DDTree tree's many small kernels.
+into the down projection). `attention` (with `mask_extent`, once per forward) and `best_first_tree`
+replace SDPA over the tree mask and the DDTree tree's many small kernels. For a few rows, `linear_parts`
+runs the o projection as partial products that add_rms_norm sums (cuBLAS leaves half the SMs idle there).
 
 The pure-PyTorch code in model.py stays the reference and the CPU path. Arithmetic is in fp32 with
 one rounding to the output dtype, so results agree with the reference to bf16 rounding, not bitwise.
