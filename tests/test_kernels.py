@@ -120,6 +120,38 @@ def check_gemv(device, dtype, n, k, silu_mul, bias, config):
         gemv(torch.cat([x, x], dim=1), w, b, silu_mul=silu_mul, config=config)
 
 
+SKINNY_CASES = [  # (rows, N, K, config, gate_up): tl.dot's 16-row minimum and ragged rows, K splits, silu(gate) * up
+    (2, 32, 64, (16, 16, 1, 4, 2), False), (17, 48, 96, (16, 32, 3, 4, 2), False),
+    (33, 32, 64, (32, 16, 2, 4, 3), False), (5, 48, 32, (16, 16, 1, 4, 2), True), (64, 32, 64, (32, 32, 1, 4, 2), True),
+]
+
+
+def check_skinny_linear(device, dtype, rows, n, k, config, gate_up):
+    from ddtree.kernels import skinny_applies, skinny_linear
+
+    g = torch.Generator().manual_seed(rows * n)
+    w = (torch.randn(2 * n if gate_up else n, k, generator=g) / k ** 0.5).to(device, dtype)
+    x = torch.randn(1, rows, k, generator=g).to(device, dtype)
+    ref = F.linear(x.float(), w.float())
+    if gate_up:  # gate and up rounded to the model dtype, as the unfused GEMM's output is
+        gate, up = ref.to(dtype).float().chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    out = skinny_linear(x, w, config, gate_up=gate_up)
+    splits = config[2]
+    if splits > 1:  # unsummed fp32 partial products
+        assert out.shape == (splits, 1, rows, n) and out.dtype == torch.float32
+        out = out.sum(0)
+    assert out.shape == (1, rows, n) and out.dtype == (dtype if splits == 1 else torch.float32)
+    # the interpreter truncates fp32 to bf16 where compiled Triton rounds: twice the rounding error
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.float16 else TOL[dtype] if device == "cuda" else dict(atol=4e-2, rtol=4e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    assert not skinny_applies(1, n, k, config, dtype) and not skinny_applies(65, n, k, config, dtype)
+    assert not skinny_applies(rows, n + 8, k, config, dtype) and not skinny_applies(rows, n, k, None, dtype)
+    assert not skinny_applies(rows, n, k, config, torch.float32)  # 16-bit configurations only
+    with pytest.raises(AssertionError):
+        skinny_linear(x[:, :1], w, config, gate_up=gate_up)
+
+
 def check_add_rms_norm(device, dtype, n):
     from ddtree.kernels import add_rms_norm
 
@@ -320,16 +352,28 @@ def test_model_with_kernels_equals_without(qk_norm):
     check_model("cpu", torch.bfloat16, qk_norm)
 
 
+# skinny_linear configurations the tiny models' o (48 x 48) and gate/up (80 x 48) fit; the shipped ones are for
+# the 8B shape, so that test_model_with_kernels_equals_without leaves these projections on torch
+TINY_SKINNY = {"o": (16, 16, 3, 4, 2), "gate_up": (16, 16, 1, 4, 2)}
+
+
 @interp
-@pytest.mark.parametrize("parts", [1, 4])
-def test_model_with_kernels_and_o_partial_products(monkeypatch, parts):
-    """The o projection as 4 partial products (kernels.linear_parts) summed by add_rms_norm, or as one
-    GEMM; test_model_with_kernels_equals_without runs the default (2, on the forwards of 2-48 rows)."""
+@pytest.mark.parametrize("o_splits", [1, 3])
+def test_model_with_kernels_and_skinny_linear(monkeypatch, o_splits):
+    """o (as K-split partial products summed by add_rms_norm, or whole) and gate/up with silu_mul through
+    kernels.skinny_linear on the prefill (14 rows) and the batch-2 decode step (2 rows); bf16 only."""
     from ddtree import kernels
 
-    monkeypatch.setattr(kernels, "O_PARTS", parts)
-    check_model("cpu", torch.float32, qk_norm=True)
+    monkeypatch.setattr(kernels, "SKINNY_CONFIGS", {**TINY_SKINNY, "o": (16, 16, o_splits, 4, 2)})
     check_model("cpu", torch.bfloat16, qk_norm=True)
+    check_model("cpu", torch.bfloat16, qk_norm=False)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", SKINNY_CASES)
+def test_skinny_linear(dtype, case):
+    check_skinny_linear("cpu", dtype, *case)
 
 
 @interp
@@ -483,6 +527,10 @@ def test_kernels_compile_for_h200_without_a_gpu():
             for even in (False, True):
                 compile_(K._gemv_kernel, dtype, dict(N="i32", w_sn="i32"),
                          dict(K=4096, BLOCK_N=16, BLOCK_K=512, SILU_MUL=silu_mul, HAS_BIAS=not silu_mul, EVEN=even), 4)
+        for splits, gate_up in ((1, True), (2, False)):
+            compile_(K._skinny_linear_kernel, dtype, dict(out_ptr="*fp32" if splits > 1 else "*" + dtype, M="i32"),
+                     dict(K_SPLIT=4096 // splits, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GATE_UP=gate_up, FP32_DOT=False,
+                          PRECISION="ieee" if dtype == "fp32" else "tf32"), 4)
         compile_(K._add_rms_norm_kernel, dtype, dict(x_ptr="*fp32", N="i32", eps="fp32"), dict(BLOCK=4096, PARTS=2), 8)
         k = compile_(K._add_rms_norm_kernel, dtype, dict(N="i32", eps="fp32"), dict(BLOCK=4096, PARTS=1), 8)
         if dtype == "fp32":
@@ -522,6 +570,10 @@ def test_compiled_kernels_equal_the_reference(dtype):
         check_add_rms_norm("cuda", dtype, n)
     for case in GEMV_CASES + [(6144, 4096, False, True, None), (4096, 12288, True, False, None), (1000, 700, True, False, None)]:
         check_gemv("cuda", dtype, *case)
+    from ddtree.kernels import SKINNY_CONFIGS
+
+    for case in SKINNY_CASES + [(33, 4096, 4096, SKINNY_CONFIGS["o"], False), (17, 12288, 4096, SKINNY_CONFIGS["gate_up"], True)]:
+        check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
     check_best_first_tree("cuda")
     check_mask_extent("cuda")
     check_attention("cuda", dtype, ATTENTION_CASES + [(1, 32, 8, 33, 128, 1152, False, False),
@@ -535,8 +587,8 @@ def test_compiled_kernels_equal_the_reference(dtype):
 def test_compiled_model_with_kernels_equals_without(dtype, monkeypatch):
     from ddtree import kernels
 
-    for parts in (kernels.O_PARTS, 1, 4):  # o as partial products: as shipped, none, four
-        monkeypatch.setattr(kernels, "O_PARTS", parts)
+    for skinny in ({}, TINY_SKINNY, {**TINY_SKINNY, "o": (16, 16, 1, 4, 2)}):  # none, o split in 3, o whole
+        monkeypatch.setattr(kernels, "SKINNY_CONFIGS", skinny)
         for qk_norm in (True, False):
             check_model("cuda", dtype, qk_norm)
 

@@ -10,8 +10,9 @@ replace them:
 
 and, for a batch-1 decode step, `gemv` replaces cuBLAS's split-K GEMMs for one row (with silu_mul folded
 into the down projection). `attention` (with `mask_extent`, once per forward) and `best_first_tree`
-replace SDPA over the tree mask and the DDTree tree's many small kernels. For a few rows, `linear_parts`
-runs the o projection as partial products that add_rms_norm sums (cuBLAS leaves half the SMs idle there).
+replace SDPA over the tree mask and the DDTree tree's many small kernels. For 2-64 rows (a verify
+forward), `skinny_linear` runs the o projection (as K-split partial products that add_rms_norm sums) and
+the gate/up projection (with silu_mul folded in) closer to the HBM bound than cuBLAS does.
 
 The pure-PyTorch code in model.py stays the reference and the CPU path. Arithmetic is in fp32 with
 one rounding to the output dtype, so results agree with the reference to bf16 rounding, not bitwise.
@@ -144,13 +145,48 @@ if triton is not None:
         tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
 
     @triton.jit
+    def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, x_s, w_sn, out_s, part_s, up_off,
+                              K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, GATE_UP: tl.constexpr, FP32_DOT: tl.constexpr,
+                              PRECISION: tl.constexpr):
+        # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice, for BLOCK_N rows of w and all
+        # M (<= BLOCK_M) rows of x: each weight tile is read once and meets every row. With GATE_UP, w is
+        # [gate | up] (up_off elements apart) and the program writes silu(gate) * up for its columns
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
+        kk = split * K_SPLIT + tl.arange(0, BLOCK_K)
+        x_tile = x_ptr + m[:, None] * x_s + kk[None, :]
+        w_tile = w_ptr + n[None, :].to(tl.int64) * w_sn + kk[:, None]  # [BLOCK_K, BLOCK_N], w transposed
+        live = m[:, None] < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            x = tl.load(x_tile + k0, mask=live, other=0.0)
+            w = tl.load(w_tile + k0)
+            if GATE_UP:
+                up = tl.load(w_tile + up_off + k0)
+            if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+                x, w = x.to(tl.float32), w.to(tl.float32)
+                if GATE_UP:
+                    up = up.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if GATE_UP:
+                acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
+        if GATE_UP:  # gate and up rounded to the model dtype first, as the unfused path has them
+            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = gate * tl.sigmoid(gate) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + split * part_s + m[:, None] * out_s + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=live)
+
+    @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, N, eps, x_s, r_s, out_s, res_s, part_s,
                              BLOCK: tl.constexpr, PARTS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < N
         x = tl.load(x_ptr + row * x_s + c, mask=m, other=0.0).to(tl.float32)
-        for p in tl.static_range(1, PARTS):  # partial products of linear_parts
+        for p in tl.static_range(1, PARTS):  # K-split partial products of skinny_linear
             x += tl.load(x_ptr + p * part_s + row * x_s + c, mask=m, other=0.0).to(tl.float32)
         r = tl.load(r_ptr + row * r_s + c, mask=m, other=0.0).to(tl.float32)
         # the residual stream is kept in the model dtype; normalise that rounded sum, as the unfused path does
@@ -399,7 +435,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul: bool =
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual) * weight, x + residual), both new tensors in the residual's dtype. x may
-    have a leading dim of partial products to sum first (the output of linear_parts)."""
+    have a leading dim of partial products to sum first (skinny_linear with K splits)."""
     n = residual.shape[-1]
     parts = x.shape[0] if x.dim() == residual.dim() + 1 else 1
     x3, r2 = x.reshape(parts, -1, n), residual.reshape(-1, n)
@@ -413,34 +449,55 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return normed.view(residual.shape), res.view(residual.shape)
 
 
-# partial products of the o projection (linear_parts) for a forward of 2..O_PARTS_MAX_ROWS rows. Measured in
-# whole forwards of the 8B shape (docs/benchmarks.md, seventh session): two took 0.05-0.06 ms off 16, 17
-# and 33 rows and added 0.03 ms at 64; four were no faster than two. Splitting q/k/v or down, and down on
-# cuBLASLt, were faster alone but not in the forward
-O_PARTS = 2
-O_PARTS_MAX_ROWS = 48
+# (BLOCK_N, BLOCK_K, K splits, num_warps, num_stages) of `skinny_linear` for the projections it serves at
+# SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows. Measured in whole forwards of the 8B shape (docs/benchmarks.md,
+# eighth session): o and gate/up took 0.03-0.17 ms off forwards of 9 to 64 rows; q/k/v (with qk_norm_rope_kv
+# summing K splits) and down were faster alone but no faster, or slower, in the forward
+SKINNY_CONFIGS = {"o": (64, 128, 2, 4, 5), "gate_up": (32, 64, 1, 4, 4)}
+SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 2, 64
 
 
-def o_parts(rows: int, k: int) -> int:
-    """How many partial products the o projection (input dim k) takes at `rows` rows (1: one GEMM)."""
-    return O_PARTS if 1 < rows <= O_PARTS_MAX_ROWS and k % O_PARTS == 0 else 1
+def skinny_applies(rows: int, n: int, k: int, config: tuple[int, int, int, int, int] | None,
+                   dtype: torch.dtype) -> bool:
+    """skinny_linear serves an [n, k] weight of `dtype` at `rows` rows with `config` (None: a projection
+    it does not serve). The configurations are for 16-bit weights: fp32 tiles would not fit in shared memory."""
+    if config is None or dtype.itemsize != 2:
+        return False
+    block_n, block_k, splits, _, _ = config
+    return SKINNY_MIN_ROWS <= rows <= SKINNY_MAX_ROWS and n % block_n == 0 and k % (block_k * splits) == 0
 
 
-def linear_parts(x: Tensor, weight: Tensor, parts: int) -> Tensor:
-    """F.linear(x, weight) as `parts` partial products over equal slices of the input dim, returned
-    unsummed as [parts, *x.shape[:-1], N] in fp32 for add_rms_norm to add up as it reads them.
+def skinny_block_m(rows: int) -> int:
+    """skinny_linear's row tile: 16 (tl.dot's minimum) or 64. A tile of 32 made 17-32 rows 0.06-0.08 ms
+    slower in whole forwards of the 8B shape than one of 64 (docs/benchmarks.md, eighth session)."""
+    return 16 if rows <= 16 else 64
 
-    For a few rows cuBLAS cuts a 4096-wide projection into 64 output tiles, which leaves half the
-    H200's SMs idle while it streams the weight (the o projection of the 8B shape took 16.5 us at 33
-    rows, twice its HBM time), or splits K itself and adds a reduction kernel. One batched GEMM over
-    the slices has `parts` times the tiles and no reduction kernel."""
+
+def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int],
+                  gate_up: bool = False) -> Tensor:
+    """F.linear(x, weight) for a few rows (a verify forward at batch 1), as one kernel.
+
+    At 33 rows the o projection of the 8B shape took 1.49 x its HBM time as two cuBLAS partial
+    products (a batched GEMM), and gate/up plus silu_mul 1.20 x; here 1.40 x and 1.13 x
+    (docs/benchmarks.md, eighth session). Each program streams BLOCK_N rows of the weight through
+    tl.dot with all the rows of x (on a row tile of skinny_block_m), with no reduction kernel. With K
+    splits > 1 it returns the unsummed partial products [splits, *x.shape[:-1], N] in fp32, for
+    add_rms_norm to add up. gate_up=True takes the fused [gate | up] weight and returns
+    silu(gate) * up [..., N / 2], which saves the silu_mul kernel."""
+    block_n, block_k, splits, warps, stages = config
     *lead, k = x.shape
-    n = weight.shape[0]
-    assert k % parts == 0 and weight.shape[1] == k and weight.stride(-1) == 1
-    a = x.reshape(-1, parts, k // parts).transpose(0, 1)  # [parts, rows, k / parts]
-    b = weight.view(n, parts, k // parts).permute(1, 2, 0)  # [parts, k / parts, n]
-    out = torch.bmm(a, b, out_dtype=torch.float32) if x.is_cuda else torch.bmm(a.float(), b.float())
-    return out.view(parts, *lead, n)
+    n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    assert weight.shape[1] == k and weight.stride(-1) == 1 and x2.stride(-1) == 1
+    assert skinny_applies(rows, n_out, k, config, weight.dtype) and not (gate_up and splits > 1), (rows, n_out, k, config)
+    out = torch.empty(splits, rows, n_out, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    _skinny_linear_kernel[(n_out // block_n, splits)](
+        x2, weight, out, rows, x2.stride(0), weight.stride(0), out.stride(1), out.stride(0), n_out * weight.stride(0),
+        K_SPLIT=k // splits, BLOCK_M=skinny_block_m(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+        GATE_UP=gate_up, FP32_DOT=x.device.type == "cpu", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)
+    return out.view(splits, *lead, n_out) if splits > 1 else out.view(*lead, n_out)
 
 
 def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int):

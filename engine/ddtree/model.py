@@ -220,11 +220,12 @@ class Attention(nn.Module):
             k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
             out = out.transpose(1, 2).reshape(bs, T, -1)
-        parts = kernels.o_parts(bs * T, out.shape[-1]) if self.kernels and self.tp is None else 1
+        o_config = kernels.SKINNY_CONFIGS.get("o")
         if one_row:
             out = kernels.gemv(out, self.o_proj.weight, self.o_proj.bias, config=kernels.GEMV_CONFIGS["o"])
-        elif parts > 1 and self.o_proj.bias is None:  # [parts, bs, T, hidden], summed by add_rms_norm
-            out = kernels.linear_parts(out, self.o_proj.weight, parts)
+        elif (self.kernels and self.tp is None and self.o_proj.bias is None  # the all-reduce takes one tensor
+              and kernels.skinny_applies(bs * T, *self.o_proj.weight.shape, o_config, x.dtype)):
+            out = kernels.skinny_linear(out, self.o_proj.weight, o_config)  # [splits, bs, T, hidden]: add_rms_norm sums
         else:
             out = self.o_proj(out)
         return self.tp.all_reduce(out) if self.tp else out
@@ -259,7 +260,11 @@ class MLP(nn.Module):
             out = kernels.gemv(F.linear(x, self.w_gate_up), self.down_proj.weight, silu_mul=True,
                                config=kernels.GEMV_CONFIGS["down"])
         elif self.w_gate_up is not None and self.kernels:
-            out = self.down_proj(kernels.silu_mul(F.linear(x, self.w_gate_up)))
+            config, inter = kernels.SKINNY_CONFIGS.get("gate_up"), self.down_proj.weight.shape[1]
+            if kernels.skinny_applies(x.numel() // x.shape[-1], inter, x.shape[-1], config, x.dtype):
+                out = self.down_proj(kernels.skinny_linear(x, self.w_gate_up, config, gate_up=True))
+            else:
+                out = self.down_proj(kernels.silu_mul(F.linear(x, self.w_gate_up)))
         else:
             if self.w_gate_up is not None:
                 gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
