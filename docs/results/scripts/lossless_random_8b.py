@@ -1,6 +1,7 @@
 # Session 8: the 8B shape (random bf16, whose LM head copies the embedding so that greedy choices have wide
 # margins), Triton kernels and CUDA graphs at batch 1: dflash and ddtree (B=8/16/32/64: verify forwards of
-# 9-65 rows, skinny_linear at 9-64) against ar (one-row GEMVs), token for token, on 4 random prompts.
+# 9-65 rows, skinny_linear at 9-64) against ar (one-row GEMVs), token for token, on 4 random prompts. A weak
+# check: the model repeats its last token by construction, so only a badly broken kernel changes the tokens.
 import torch
 from ddtree.cli import load_drafter_ref, load_target
 from ddtree.engine import Engine, SamplingParams
