@@ -8,6 +8,7 @@
 # commits every configuration here fails with a TypeError (recorded per configuration by attention_case).
 import itertools, json, sys, torch
 from attention_timing import attention_case
+from graph_timing import captured_forward
 from ddtree import kernels as K
 from ddtree.bench import copy_bandwidth, forward_ms, weight_bytes
 from ddtree.loading import random_model
@@ -44,19 +45,7 @@ for rep in range(2):
 from torch.profiler import ProfilerActivity, profile
 for name, fn in (("default", attention), ("best", tuned)):
     K.attention = fn
-    ctx, tokens = 1024, 33
-    t.setup_caches(1, ctx + tokens)
-    ids = torch.randint(0, t.config.vocab_size, (1, tokens), device="cuda")
-    pos = (ctx + torch.arange(tokens, device="cuda"))[None].contiguous()
-    j = torch.arange(ctx + tokens, device="cuda")
-    mask = (j[None, :] <= pos[0, :, None]).view(1, 1, tokens, ctx + tokens).contiguous()
-    with torch.inference_mode():
-        for _ in range(3):
-            t(ids, pos, pos, mask)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            t(ids, pos, pos, mask)
-    g.replay(); torch.cuda.synchronize()
+    g = captured_forward(t, 1024, 33)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             g.replay()

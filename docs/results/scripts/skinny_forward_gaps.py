@@ -3,12 +3,13 @@
 # torch.profiler trace of 5 graph replays, summed per (previous kernel -> kernel) pair; then forward_ms for
 # down configurations with less shared memory.
 # It ran on the session's working tree, where SKINNY_CONFIGS could route down; later commits ignore "down".
-import json, os, sys, tempfile, torch
+import json, os, tempfile, torch
 from collections import defaultdict
 from torch.profiler import profile, ProfilerActivity
 from ddtree import kernels as K
 from ddtree.bench import forward_ms
 from ddtree.loading import random_model
+from graph_timing import captured_forward
 
 t = random_model("qwen3-8b", "cuda", torch.bfloat16)
 t.fuse(kernels=True)
@@ -27,20 +28,7 @@ def short(name):
 
 for name, table in tables.items():
     K.SKINNY_CONFIGS = table
-    t.setup_caches(1, ctx + tokens)
-    ids = torch.randint(0, t.config.vocab_size, (1, tokens), device="cuda")
-    pos = (ctx + torch.arange(tokens, device="cuda")).expand(1, -1).contiguous()
-    j = torch.arange(ctx + tokens, device="cuda")
-    mask = (j[None, :] <= pos[0, :, None]).view(1, 1, tokens, ctx + tokens).contiguous()
-    with torch.inference_mode():
-        for _ in range(3):
-            t(ids, pos, pos, mask)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            t(ids, pos, pos, mask)
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
+    g = captured_forward(t, ctx, tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             g.replay()

@@ -1,10 +1,11 @@
 # Session 8: torch.profiler over 10 CUDA-graph replays of one 33-token (and 17-token) verify forward of the 8B
 # shape (batch 1, ctx 1024, Triton kernels) per set of projections on skinny_linear: kernel times in situ.
 # It ran on the session's working tree, where SKINNY_CONFIGS could route down; later commits ignore "down".
-import sys, torch
+import torch
 from torch.profiler import profile, ProfilerActivity
 from ddtree import kernels as K
 from ddtree.loading import random_model
+from graph_timing import captured_forward
 
 t = random_model("qwen3-8b", "cuda", torch.bfloat16)
 t.fuse(kernels=True)
@@ -15,20 +16,7 @@ tables = {"off": {}, "o2 gu": {"o": o2, "gate_up": gu}, "o2 gu d2": {"o": o2, "g
 for tokens in (33, 17):
     for name, table in tables.items():
         K.SKINNY_CONFIGS = table
-        t.setup_caches(1, ctx + tokens)
-        ids = torch.randint(0, t.config.vocab_size, (1, tokens), device="cuda")
-        pos = (ctx + torch.arange(tokens, device="cuda")).expand(1, -1).contiguous()
-        j = torch.arange(ctx + tokens, device="cuda")
-        mask = (j[None, :] <= pos[0, :, None]).view(1, 1, tokens, ctx + tokens).contiguous()
-        with torch.inference_mode():
-            for _ in range(3):
-                t(ids, pos, pos, mask)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                t(ids, pos, pos, mask)
-        for _ in range(5):
-            g.replay()
-        torch.cuda.synchronize()
+        g = captured_forward(t, ctx, tokens)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 g.replay()
