@@ -10,6 +10,7 @@ EXTRAS ?= engine,operator,dev
 .PHONY: setup test test-fast demo generate cluster-bin lint-chart clean-venv
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml .ci/constraints.txt
+	bash hack/check-disk.sh $(PY) $(EXTRAS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[$(EXTRAS)]' -c .ci/constraints.txt
