@@ -8,7 +8,7 @@
 # commits every configuration here fails with a TypeError (recorded per configuration by attention_case).
 import itertools, json, sys, torch
 from attention_timing import attention_case
-from graph_timing import captured_forward
+from graph_timing import captured_forward, profiled_replays
 from ddtree import kernels as K
 from ddtree.bench import copy_bandwidth, forward_ms, weight_bytes
 from ddtree.loading import random_model
@@ -42,14 +42,9 @@ for rep in range(2):
         res["forward"].setdefault(name, []).append(ms)
         print(f"{name}: {ms}  decode/bound {ms[1] / bound:.3f}  verify33/decode {ms[33] / ms[1]:.3f}", flush=True)
 
-from torch.profiler import ProfilerActivity, profile
 for name, fn in (("default", attention), ("best", tuned)):
     K.attention = fn
-    g = captured_forward(t, 1024, 33)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            g.replay()
-        torch.cuda.synchronize()
+    prof = profiled_replays(captured_forward(t, 1024, 33), 10)
     print(f"=== {name}, T=33: 10 graph replays ===")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 res["best"] = {f"bs{b} T{T}": c for (b, T), c in best.items()}

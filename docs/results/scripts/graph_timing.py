@@ -1,6 +1,7 @@
 """Shared by the sweeps here: microseconds per call of `fns` replayed as one CUDA graph (`timed`), and one
-captured target forward to profile (`captured_forward`)."""
+captured target forward to profile (`captured_forward`), and a profiler over its replays (`profiled_replays`)."""
 import torch
+from torch.profiler import profile, ProfilerActivity
 
 
 def timed(fns, reps=5):
@@ -42,3 +43,12 @@ def captured_forward(target, ctx: int, tokens: int) -> torch.cuda.CUDAGraph:
         g.replay()
     torch.cuda.synchronize()
     return g
+
+
+def profiled_replays(graph: torch.cuda.CUDAGraph, replays: int) -> profile:
+    """torch.profiler (CUDA activity) over `replays` replays of `graph`, synchronised before it stops."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return prof

@@ -5,11 +5,10 @@
 # It ran on the session's working tree, where SKINNY_CONFIGS could route down; later commits ignore "down".
 import json, os, tempfile, torch
 from collections import defaultdict
-from torch.profiler import profile, ProfilerActivity
 from ddtree import kernels as K
 from ddtree.bench import forward_ms
 from ddtree.loading import random_model
-from graph_timing import captured_forward
+from graph_timing import captured_forward, profiled_replays
 
 t = random_model("qwen3-8b", "cuda", torch.bfloat16)
 t.fuse(kernels=True)
@@ -28,11 +27,7 @@ def short(name):
 
 for name, table in tables.items():
     K.SKINNY_CONFIGS = table
-    g = captured_forward(t, ctx, tokens)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            g.replay()
-        torch.cuda.synchronize()
+    prof = profiled_replays(captured_forward(t, ctx, tokens), 5)
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     ev = sorted((e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
