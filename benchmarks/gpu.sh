@@ -61,13 +61,21 @@ except (OSError, KeyError, TypeError):
     print(sys.argv[2])' "$OUT_DIR/smollm2/bench.json" "${DDTREE_SERVE_BUDGET:-1:128,4:8,16:8,64:0}")")
         fi
         port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-        ddtree serve "${SMOL[@]}" --method "$method" "${budget[@]}" --max-batch-size 64 --kernels triton \
-          --port "$port" > "$OUT_DIR/serve-$method.log" 2>&1 &
+        $PY -m ddtree.cli serve "${SMOL[@]}" --method "$method" "${budget[@]}" --max-batch-size 64 \
+          --kernels triton --port "$port" > "$OUT_DIR/serve-$method.log" 2>&1 &
         server=$!
-        # bench-serve waits for the smoke test; a server that dies first must not hold it up
-        timeout 600 $PY -m ddtree.cli bench-serve --url "http://127.0.0.1:$port" --concurrency 1,8,32,64 \
-          --requests-per-client 4 --max-tokens 128 --json > "$OUT_DIR/serve-$method.jsonl" \
-          || { echo "bench-serve failed; server log:" >&2; tail -n 20 "$OUT_DIR/serve-$method.log" >&2; }
+        $PY -m ddtree.cli bench-serve --url "http://127.0.0.1:$port" --concurrency 1,8,32,64 \
+          --requests-per-client 4 --max-tokens 128 --json > "$OUT_DIR/serve-$method.jsonl" &
+        client=$!
+        # bench-serve waits for the smoke test to pass: a server that exits first must not hold it up
+        while kill -0 "$client" 2>/dev/null; do
+          if ! kill -0 "$server" 2>/dev/null; then
+            kill "$client" 2>/dev/null
+            echo "ddtree serve ($method) exited: $(tail -n 1 "$OUT_DIR/serve-$method.log")" >&2
+          fi
+          sleep 1
+        done
+        wait "$client" || true
         kill "$server" 2>/dev/null; wait "$server" || true
       done ;;
     gpu-tests)

@@ -61,6 +61,26 @@ def test_smoke_on_cpu_compares_batched_with_alone_and_catches_a_corrupted_input(
     assert not run_smoke(engine, [1], PROMPTS, max_new_tokens=6, min_acceptance=17.0).passed
 
 
+def test_smoke_reference_runs_under_the_budget_of_the_batch_size_it_checks():
+    # in bf16 a 129-row verify and a 9-row one round differently, so a reference drafted with another
+    # budget can flip a near-tie and fail a correct graph (seen with --budget 1:128,4:8 on an H200)
+    engine = make(budget={1: 16, 2: 8})
+    plans = []
+    build_tree = engine.build_tree
+
+    def recording(n, span):
+        plans.append((n, engine.budget_for(n)))
+        return build_tree(n, span)
+
+    engine.build_tree = recording
+    assert run_smoke(engine, [2], PROMPTS, max_new_tokens=6).passed
+    assert {budget for n, budget in plans if n == 1} == {8}, "the alone runs use batch 2's budget"
+    plans.clear()
+    assert run_smoke(engine, [1, 2, 4], PROMPTS, max_new_tokens=6).passed
+    assert {budget for n, budget in plans if n == 1} == {16, 8}
+    assert engine.budget_policy == [(1, 16), (2, 8)], "the policy is restored"
+
+
 @gpu
 @pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 8), ("ddtree", 32)])
 def test_graph_replay_equals_eager_for_every_bucket(method, budget):
