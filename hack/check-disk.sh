@@ -8,9 +8,13 @@ python=$1 extras=$2
 need_gib=${DDTREE_SETUP_MIN_FREE_GIB:-6}
 case ",$extras," in *,engine,*) ;; *) exit 0 ;; esac
 if [ -x "$python" ] && "$python" -c 'import torch' 2>/dev/null; then exit 0; fi
-free_gib=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
+# Measure the disk the virtualenv goes to, not the caller's: the python's folder (relative paths are
+# the caller's), or its nearest existing parent. -s: a venv's bin/python is a link to the base python.
+dir=$(dirname -- "$(realpath -ms -- "$python")")
+while [ ! -d "$dir" ]; do dir=$(dirname -- "$dir"); done
+free_gib=$(df -Pk -- "$dir" | awk 'NR == 2 { print int($4 / 1048576) }')
 if [ "$free_gib" -lt "$need_gib" ]; then
-    echo "make setup: $free_gib GiB free on $(df -P . | awk 'NR == 2 { print $6 }'), but installing" \
+    echo "make setup: $free_gib GiB free on $(df -P -- "$dir" | awk 'NR == 2 { print $6 }'), but installing" \
         "the engine's dependencies (torch with its CUDA libraries) needs about $need_gib GiB." >&2
     echo "Free some space, or install the operator alone with: make setup EXTRAS=operator,dev" \
         "(set DDTREE_SETUP_MIN_FREE_GIB to change the threshold)." >&2

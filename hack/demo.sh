@@ -14,11 +14,17 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO"
 KEEP=false
 [[ "${1:-}" == "--keep" ]] && KEEP=true
-WORK=${DDTREE_DEMO_DIR:-/tmp/ddtree-demo}
-BIN=${DDTREE_K8S_BIN:-$HOME/.cache/ddtree/k8s-bin}
+# Paths given relative to the caller's directory keep their meaning after the cd below; the scripts
+# run from here (build/start-test-cluster.sh) get them absolute too.
+WORK=$(realpath -m "${DDTREE_DEMO_DIR:-/tmp/ddtree-demo}")
+BIN=$(realpath -m "${DDTREE_K8S_BIN:-$HOME/.cache/ddtree/k8s-bin}")
+export DDTREE_K8S_BIN=$BIN
+for var in PIP KUBECTL; do  # -s: absolute, but a venv's link stays in its venv
+  if [[ "${!var:-}" == */* ]]; then export "$var=$(realpath -ms "${!var}")"; fi
+done
+cd "$REPO"
 TIMEOUT=${DDTREE_DEMO_TIMEOUT:-900}
 NAME=smollm2-cpu
 NS=default
@@ -50,7 +56,7 @@ cleanup() {
   set +e  # best effort: every step runs even if an earlier one fails
   if $KEEP; then
     echo "left running: operator pid ${OPERATOR_PID:-none}, engines pid ${ENGINES_PID:-none};"
-    echo "stop with: kill ${ENGINES_PID} ${OPERATOR_PID}; bash hack/stop-test-cluster.sh $WORK"
+    echo "stop with: kill ${ENGINES_PID} ${OPERATOR_PID}; bash $REPO/hack/stop-test-cluster.sh $WORK"
     return
   fi
   if [[ -n "$ENGINES_PID" ]]; then kill "$ENGINES_PID" 2>/dev/null; wait "$ENGINES_PID" 2>/dev/null; fi

@@ -12,7 +12,8 @@ set -euo pipefail
 
 if [[ $# -eq 1 ]]; then set -- "${DDTREE_K8S_BIN:-$HOME/.cache/ddtree/k8s-bin}" "$1"; fi
 [[ $# -eq 2 ]] || { echo "usage: $0 [BIN_DIR] WORK_DIR" >&2; exit 2; }
-BIN=$(realpath "$1")
+# -m: a missing BIN_DIR gets the "run hack/build-test-cluster.sh first" message below.
+BIN=$(realpath -m "$1")
 W=$(realpath -m "$2")
 HACK=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 KUBECTL=${KUBECTL:-kubectl}
@@ -114,4 +115,4 @@ start kwok "$BIN/kwok" --kubeconfig="$W/kubeconfig" --manage-all-nodes=true --ci
   --node-ip=127.0.0.1 --node-lease-duration-seconds=40 "${stage_configs[@]}"
 
 "$KUBECTL" --kubeconfig="$W/kubeconfig" apply -f "$HACK/kwok-nodes.yaml" >/dev/null
-echo "test cluster up: KUBECONFIG=$W/kubeconfig (stop: bash hack/stop-test-cluster.sh $W)"
+echo "test cluster up: KUBECONFIG=$W/kubeconfig (stop: bash $HACK/stop-test-cluster.sh $W)"

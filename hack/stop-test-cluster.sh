@@ -5,6 +5,8 @@
 #   bash hack/stop-test-cluster.sh WORK_DIR [--keep]
 set -uo pipefail
 W=${1:?usage: $0 WORK_DIR [--keep]}
+# Resolved once against the caller's directory (-s: a link given as WORK_DIR is removed, not its target).
+W=$(realpath -ms -- "$W")
 if [[ -f "$W/pids" ]]; then
   while read -r pid name; do
     kill "$pid" 2>/dev/null || continue

@@ -113,3 +113,19 @@ def test_bench_on_cpu_uses_every_prompt_and_recommends_a_budget_per_batch(tmp_pa
     # where plain decoding beat every budget (likely here: a random drafter accepts almost nothing), it is said
     assert [str(b) for b in best["ar_faster_at"]] == slower  # JSON keys are strings
     assert ("`ar` is faster than every measured `ddtree` budget" in md) == bool(slower)
+
+
+def test_python_m_ddtree_is_the_console_script():
+    from ddtree.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    ok = subprocess.run([sys.executable, "-m", "ddtree", "--help"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("usage: ddtree ") and all(f"    {name} " in ok.stdout for name in commands), ok.stdout
+    script = os.path.join(os.path.dirname(sys.executable), "ddtree")
+    if os.path.exists(script):  # the installed console script prints the same
+        assert subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120).stdout == ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--model", "x", "--prompt", "hi",
+                          "--no-such-flag"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["ddtree: error: unrecognized arguments: --no-such-flag"], bad.stderr

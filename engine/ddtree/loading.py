@@ -29,8 +29,16 @@ class ModelNotFoundError(Exception):
     """A model reference that cannot be turned into a local folder; the message is one line for CLI users."""
 
 
+_CACHE_DIRS: dict[str, pathlib.Path] = {}
+
+
 def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("DDTREE_CACHE") or pathlib.Path.home() / ".cache" / "ddtree").expanduser()
+    """$DDTREE_CACHE (default ~/.cache/ddtree), absolute. A relative value is taken from the working directory
+    of the first call that sees it, once: a later chdir must not move the cache (or split one download)."""
+    value = os.environ.get("DDTREE_CACHE") or str(pathlib.Path.home() / ".cache" / "ddtree")
+    if value not in _CACHE_DIRS:
+        _CACHE_DIRS[value] = pathlib.Path(os.path.abspath(os.path.expanduser(value)))
+    return _CACHE_DIRS[value]
 
 
 @dataclasses.dataclass(frozen=True)
