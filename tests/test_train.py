@@ -91,6 +91,9 @@ def test_make_data_format_split_and_determinism(target, data):
     assert m["tokens"] == d.tokens.numel() == int(d.offsets[-1])
     held = set(m["held_out_files"])
     assert held and held.isdisjoint(set(m["files"]) - held)  # the split is by source file
+    # files are named below their source, never by an absolute path of the machine that made the data
+    assert all(name.startswith("stdlib/") for name in m["files"] + m["held_out_files"])
+    assert not any(src.startswith("/") for src in m["sources"])
     loaded = TokenData.load(path)
     assert torch.equal(loaded.tokens, d.tokens) and torch.equal(loaded.split, d.split)
     toks, p = loaded.sequence(0)
@@ -219,6 +222,7 @@ def test_saved_drafter_loads_and_decodes_losslessly(target, data, trained):
     assert res.final_eval["ddtree_b8"]["same_as_ar"] == 1.0 and res.final_eval["dflash"]["acceptance_length"] >= 1
     events = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
     assert events[0]["event"] == "start" and events[-1]["event"] == "end"
+    assert not events[0]["data_path"].startswith("/") and f"`{events[0]['data_path']}`" in card
     assert any(e.get("event") == "eval" and e["step"] == 15 for e in events)
 
 

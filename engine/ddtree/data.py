@@ -121,6 +121,38 @@ def corpus_files(sources: list[str]) -> list[Path]:
     return sorted(out)
 
 
+def corpus_names(files: list[Path], sources: list[str]) -> list[str]:
+    """Machine-independent names for corpus files, for the manifest: the path below the source the file
+    came from, prefixed with that source's label ("stdlib/csv.py", "site-packages/PIL/Image.py",
+    "doc/python3/README.txt" for a folder source named doc; a file outside every such folder by its
+    name alone). Never an absolute path, so a manifest reads the same on every machine."""
+    roots: list[tuple[str, Path]] = [("stdlib", Path(sysconfig.get_paths()["stdlib"]).resolve()),
+                                     ("site-packages", Path(sysconfig.get_paths()["purelib"]).resolve())]
+    for src in sources:
+        if src in ("stdlib", "site-packages"):
+            continue
+        path = Path(src).expanduser().resolve()
+        if path.is_dir():
+            roots.append((path.name, path))
+    roots.sort(key=lambda lr: len(lr[1].parts), reverse=True)  # the innermost source names a file
+    names = []
+    for f in files:
+        f = Path(f).resolve()
+        for label, root in roots:
+            if f.is_relative_to(root):
+                rel = f.relative_to(root).as_posix()
+                names.append(f"{label}/{rel}" if label else rel)
+                break
+        else:
+            names.append(f.name)
+    return names
+
+
+def source_label(src: str) -> str:
+    """How the manifest names a corpus source: "stdlib", "site-packages", or the file or folder's name."""
+    return src if src in ("stdlib", "site-packages") else Path(src).expanduser().resolve().name
+
+
 _HTML_TAG = re.compile(r"<(script|style)[^>]*>.*?</\1>|<[^>]+>", re.DOTALL | re.IGNORECASE)
 
 
@@ -602,15 +634,16 @@ def make_data(
     )
     used = sorted({prompts[i].source for i in keep})
     n_cont = sum(len(conts[i]) for i in keep)
+    names = corpus_names(files, sources)  # relative names: the manifest holds no path of this machine
     data.manifest = {
         "format": "ddtree-train-data/1",
         "target": str(target_id),
         "vocab_size": vocab,
         "seed": seed,
-        "sources": sources,
+        "sources": [source_label(s) for s in sources],
         "num_files": len(files),
-        "files": [str(files[i]) for i in used],
-        "held_out_files": sorted({str(files[prompts[i].source]) for i in keep if prompts[i].held_out}),
+        "files": [names[i] for i in used],
+        "held_out_files": sorted({names[prompts[i].source] for i in keep if prompts[i].held_out}),
         "num_sequences": len(keep),
         "num_train": int((data.split == 0).sum()),
         "num_held_out": int((data.split == 1).sum()),

@@ -272,7 +272,8 @@ if triton is not None:
         # a softmax over that chunk's keys, kept unnormalised with its row max and row sum for the combine
         # kernel (flash-decoding). Row r is query head kvh * GROUP + r % GROUP of token r // GROUP: the
         # heads that share a KV head read its keys once, and a token's heads, in consecutive rows, share
-        # its mask row. (One head's tokens per row block instead took 1.5-1.7 x as long: docs/benchmarks.md)
+        # its mask row. (One head's tokens per row block spilled registers and measured slower on an H200:
+        # docs/benchmarks.md, "Verify forward by width")
         pid = tl.program_id(0)
         split = tl.program_id(1)
         block = pid % ROW_BLOCKS
@@ -300,7 +301,8 @@ if triton is not None:
         vbase = v_ptr + row * v_sb + kvh * v_sh
         # keys from the last one any query of the sequence sees on are not read (a graph's span bucket
         # is often far longer than the live text): a scalar test, where a test of the mask tile took a
-        # reduction over the tile and kept the key loads waiting for the mask (docs/benchmarks.md)
+        # reduction over the tile and kept the key loads waiting for the mask (measured slower on an
+        # H200: docs/benchmarks.md, "Verify forward by width")
         extent = tl.minimum(tl.load(extent_ptr + b), span)
         for n0 in range(0, CHUNK, BLOCK_N):
             if split * CHUNK + n0 < extent:
@@ -407,8 +409,9 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of `gemv` per projection: the fastest of 16 configurations
-# for the Qwen3-8B shape on an H200 (docs/benchmarks.md, fifth session). The gate/up projection stays on
-# cuBLAS, which reads it at 0.94 x the copy bandwidth (no gemv configuration was clearly faster)
+# for the Qwen3-8B shape on an H200 (2026-11-29, commit e728955; docs/benchmarks.md, "Decode step
+# against the memory-bandwidth bound"). The gate/up projection stays on cuBLAS, which already reads it
+# at about the copy bandwidth: no gemv configuration was clearly faster
 GEMV_CONFIGS = {"qkv": (8, 256, 4, 3), "o": (16, 1024, 8, 3), "down": (8, 512, 8, 3)}
 
 
@@ -416,11 +419,12 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul: bool =
          config: tuple[int, int, int, int] | None = None) -> Tensor:
     """F.linear(x, weight, bias) for a single row x [..., K] (a batch-1 decode step), as one kernel.
 
-    cuBLAS serves one row with small tiles, and split-K plus a separate reduction kernel, which left
-    the q/k/v, o and down projections of the 8B shape at 1.3-1.7 x the copy-bandwidth time; here each
-    program streams BLOCK_N whole rows of the weight (1.1-1.4 x). silu_mul=True takes x = [gate | up]
-    (2 K) and applies silu(gate) * up on the fly, which saves the silu_mul kernel before the down
-    projection."""
+    cuBLAS serves one row with small tiles, and split-K plus a separate reduction kernel, which keeps
+    the q/k/v, o and down projections of the 8B shape well above their copy-bandwidth time; here each
+    program streams BLOCK_N whole rows of the weight, closer to it (measured on an H200:
+    docs/benchmarks.md, "Decode step against the memory-bandwidth bound"). silu_mul=True takes
+    x = [gate | up] (2 K) and applies silu(gate) * up on the fly, which saves the silu_mul kernel
+    before the down projection."""
     n_out, k = weight.shape
     assert x.shape[-1] == (2 * k if silu_mul else k) and x.numel() == x.shape[-1], "gemv takes one row"
     assert weight.stride(-1) == 1 and x.is_contiguous()
@@ -450,9 +454,10 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 
 
 # (BLOCK_N, BLOCK_K, K splits, num_warps, num_stages) of `skinny_linear` for the projections it serves at
-# SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows. Measured in whole forwards of the 8B shape (docs/benchmarks.md,
-# eighth session): o and gate/up took 0.03-0.17 ms off forwards of 9 to 64 rows; q/k/v (with qk_norm_rope_kv
-# summing K splits) and down were faster alone but no faster, or slower, in the forward
+# SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows. Chosen in whole forwards of the 8B shape on an H200
+# (2026-11-29, commit 108c21a; docs/benchmarks.md, "Verify forward by width"): o and gate/up made
+# forwards of 9 to 64 rows faster; q/k/v (with qk_norm_rope_kv summing K splits) and down were faster
+# alone but no faster, or slower, in the forward, so they stay on cuBLAS
 SKINNY_CONFIGS = {"o": (64, 128, 2, 4, 5), "gate_up": (32, 64, 1, 4, 4)}
 SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 2, 64
 
@@ -468,8 +473,9 @@ def skinny_applies(rows: int, n: int, k: int, config: tuple[int, int, int, int, 
 
 
 def skinny_block_m(rows: int) -> int:
-    """skinny_linear's row tile: 16 (tl.dot's minimum) or 64. A tile of 32 made 17-32 rows 0.06-0.08 ms
-    slower in whole forwards of the 8B shape than one of 64 (docs/benchmarks.md, eighth session)."""
+    """skinny_linear's row tile: 16 (tl.dot's minimum) or 64. For 17-32 rows a tile of 32 measured
+    slower than one of 64 in whole forwards of the 8B shape on an H200 (docs/benchmarks.md, "Verify
+    forward by width")."""
     return 16 if rows <= 16 else 64
 
 
@@ -477,12 +483,12 @@ def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, i
                   gate_up: bool = False) -> Tensor:
     """F.linear(x, weight) for a few rows (a verify forward at batch 1), as one kernel.
 
-    At 33 rows the o projection of the 8B shape took 1.49 x its HBM time as two cuBLAS partial
-    products (a batched GEMM), and gate/up plus silu_mul 1.20 x; here 1.40 x and 1.13 x
-    (docs/benchmarks.md, eighth session). Each program streams BLOCK_N rows of the weight through
-    tl.dot with all the rows of x (on a row tile of skinny_block_m), with no reduction kernel. With K
-    splits > 1 it returns the unsummed partial products [splits, *x.shape[:-1], N] in fp32, for
-    add_rms_norm to add up. gate_up=True takes the fused [gate | up] weight and returns
+    At 33 rows it reads the o and gate/up weights of the 8B shape closer to their HBM time than cuBLAS
+    does (o as two partial products in one batched GEMM; gate/up followed by silu_mul), measured on an
+    H200 (docs/benchmarks.md, "Verify forward by width"). Each program streams BLOCK_N rows of the
+    weight through tl.dot with all the rows of x (on a row tile of skinny_block_m), with no reduction
+    kernel. With K splits > 1 it returns the unsummed partial products [splits, *x.shape[:-1], N] in
+    fp32, for add_rms_norm to add up. gate_up=True takes the fused [gate | up] weight and returns
     silu(gate) * up [..., N / 2], which saves the silu_mul kernel."""
     block_n, block_k, splits, warps, stages = config
     *lead, k = x.shape
@@ -525,8 +531,8 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
 
 # query tokens per sequence up to which `attention` replaces SDPA in the model: every tree width up to
 # B = 255. One-token forwards (decode) use it up to ATTENTION_DECODE_MAX_BATCH sequences: on the 8B
-# shape it took 6.4 us a layer at batch 1 against SDPA's 13.9, and 26.5 against 37.3 at batch 16, but
-# 84 against 81 at batch 64
+# shape on an H200 it was faster than SDPA at batch 1 and 16 and slower at batch 64 (2026-11-29, commit
+# e728955; docs/benchmarks.md, "Decode step against the memory-bandwidth bound")
 ATTENTION_MAX_TOKENS = 256
 ATTENTION_DECODE_MAX_BATCH = 16
 
@@ -539,10 +545,10 @@ def attention_applies(bs: int, T: int) -> bool:
 def attention_chunk(bs: int, T: int, row_programs: int) -> int:
     """Key slots per program. Few programs along the rows (bs * KV heads * row blocks) need short
     chunks to fill the GPU; many take long ones, which cut the partial results to merge.
-    Fastest of 32/64/128/256 on the 8B shape at 1024 tokens of context (docs/benchmarks.md, seventh
-    session): one token: 32 at batch 1, 64 at batch 16; verify and draft widths: 64 for 8 and 16 row
-    programs (batch 1, 9/16/17 tokens), 128 for 24 and 40 (batch 1, 33 and 65 tokens), 256 from 96
-    (batch 4, 33 tokens; batch 16, 9 and 17 tokens)."""
+    Fastest of 32/64/128/256 on the 8B shape at 1024 tokens of context on an H200 (2026-11-29;
+    docs/benchmarks.md, "Verify forward by width"): one token: 32 at batch 1, 64 at batch 16; verify
+    and draft widths: 64 for 8 and 16 row programs (batch 1, 9/16/17 tokens), 128 for 24 and 40
+    (batch 1, 33 and 65 tokens), 256 from 96 (batch 4, 33 tokens; batch 16, 9 and 17 tokens)."""
     if T == 1:
         return 32 if bs < 16 else 64
     return 256 if row_programs >= 64 else 128 if row_programs >= 24 else 64
@@ -574,12 +580,12 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: T
     query sees; rows [bs] cache rows (None: 0..bs-1); extent: mask_extent(mask) (computed here when None).
     Returns [bs, T, heads * hd], the layout o_proj takes.
 
-    SDPA spent ~49 us a layer on a 33-token verify at 1024 tokens of context (one program per head
-    streamed every key, most SMs idle, and the boolean mask became an additive one). Here the keys are
-    split into chunks of `chunk` slots (default: attention_chunk), one program per (sequence, KV head,
-    block of max_rows rows of its query heads, chunk), and a second kernel merges the chunks'
-    softmaxes: flash-decoding with the mask read as is. max_rows, block_n (keys per step), num_warps
-    and num_stages are tuning knobs, kept for the sweeps in docs/results/scripts/."""
+    SDPA runs a verify with one program per head streaming every key (most SMs idle), and turns the
+    boolean mask into an additive one in every layer. Here the keys are split into chunks of `chunk`
+    slots (default: attention_chunk), one program per (sequence, KV head, block of max_rows rows of its
+    query heads, chunk), and a second kernel merges the chunks' softmaxes: flash-decoding with the mask
+    read as is. max_rows, block_n (keys per step), num_warps
+    and num_stages are tuning knobs, kept as arguments for configuration sweeps."""
     bs, heads, T, hd = q.shape
     kv_heads, span = k_cache.shape[1], mask.shape[-1]
     assert heads % kv_heads == 0 and span <= k_cache.shape[2]

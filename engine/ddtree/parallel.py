@@ -63,7 +63,8 @@ def check_divisible(cfg, world: int, what: str = "the model") -> None:
 
 def split(target: Transformer, drafter, rank: int, world: int, replicate_drafter: bool = False) -> str:
     """Shard the target; shard the drafter too unless asked to replicate it or its heads do not divide
-    (measured on 2 H200s, Qwen3-8B shape: splitting made rounds 0.8-3.1 % faster and saved ~1 GiB per GPU).
+    (on 2 H200s with the Qwen3-8B shape, splitting made rounds faster and used less memory per GPU:
+    docs/benchmarks.md, "Tensor parallel").
     Returns how the drafter runs: "split", "replicated" or "none"."""
     shard(target, rank, world)
     if drafter is None:
@@ -157,8 +158,9 @@ def leave_group(engine=None) -> None:
     """Destroy the process groups (once). Under NCCL every rank must do it at about the same time:
     a rank that waits for a peer's exit before leaving deadlocks with that peer's teardown.
     The CUDA graphs go first (the engine's, and any that only a reference cycle still holds): they
-    captured NCCL kernels of the communicator being torn down. On 2 H200s, ranks whose graphs were
-    still alive hung in the teardown; that this order fixes it is not yet verified there."""
+    captured NCCL kernels of the communicator being torn down: on 2 H200s, ranks whose graphs were
+    still alive hung in the teardown, and with this order they leave cleanly (docs/benchmarks.md,
+    "Tensor parallel")."""
     if engine is not None:
         engine.graphs = None
     gc.collect()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import random
 import shlex
 import sys
@@ -500,8 +501,8 @@ def train_drafter(
     if resume is None:
         manifest = {k: v for k, v in data.manifest.items() if k not in ("files", "held_out_files")}
         write({"event": "start", "config": asdict(cfg), "drafter": dcfg.to_hf(), "params": n_params,
-               "data": manifest, "data_path": data_path, "target": target_name, "device": device,
-               "command": command})
+               "data": manifest, "data_path": _relative_to(data_path, out), "target": target_name,
+               "device": device, "command": command})
     else:
         write({"event": "resume", "step": start_step, "command": command})
 
@@ -581,8 +582,18 @@ def train_drafter(
         write({"event": "final_eval", **result.final_eval})
     elapsed = elapsed_before + time.perf_counter() - t_start
     write({"event": "end", "step": step, "stopped": stopped, "elapsed": round(elapsed, 2)})
-    write_model_card(out, cfg, dcfg, n_params, data, result, history, elapsed, command, target_name, data_path)
+    write_model_card(out, cfg, dcfg, n_params, data, result, history, elapsed, command, target_name,
+                     _relative_to(data_path, out))
     return result
+
+
+def _relative_to(path: str | None, out: Path) -> str | None:
+    """A data path as the log and the model card give it: relative to the output folder, so that a
+    drafter's files name no folder of the machine it was trained on. The checkpoint keeps the path
+    as given (--resume reads the data from there)."""
+    if path is None:
+        return None
+    return Path(os.path.relpath(Path(path).resolve(), out.resolve())).as_posix()
 
 
 def _short(items) -> str:
