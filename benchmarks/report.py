@@ -2,7 +2,7 @@
 
     python3 benchmarks/report.py RESULTS_DIR [--charts docs/images] [--markdown]
 
-Reads whatever parts are there (micro/, rounds/, smollm2/, serve-*.jsonl, host.json) and writes:
+Reads whatever parts are there (micro/, rounds/, smollm2/, serve/, host.json) and writes:
   smollm2-tokens-per-second.png  tokens/s against batch size for ar, dflash and ddtree (best budget)
   rounds-by-budget.png           round time against budget by batch size, ar and dflash as references
   serve-tokens-per-second.png    output tokens/s against concurrent clients behind `ddtree serve`
@@ -29,13 +29,17 @@ def load(results: Path) -> dict:
             data[part] = json.loads(path.read_text())
     serve = {}
     for method in ("ar", "dflash", "ddtree"):
-        path = results / f"serve-{method}.jsonl"
+        path = results / "serve" / f"{method}.jsonl"
         if path.is_file() and path.stat().st_size:
             serve[method] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if serve:
         data["serve"] = serve
-    if (results / "host.json").is_file():
-        data["host"] = json.loads((results / "host.json").read_text())
+    # host.json: where and at which commit; a part run on its own has its own beside its output
+    data["hosts"] = {}
+    for part in ("", "micro", "rounds", "smollm2", "serve"):
+        path = results / part / "host.json"
+        if path.is_file():
+            data["hosts"][part] = json.loads(path.read_text())
     return data
 
 
@@ -71,8 +75,8 @@ def _figure():
     return plt, fig, ax
 
 
-def _subtitle(data: dict) -> str:
-    host = data.get("host", {})
+def _subtitle(data: dict, part: str) -> str:
+    host = data["hosts"].get(part) or data["hosts"].get("", {})
     return ", ".join(str(host[k]) for k in ("gpu", "date", "commit") if host.get(k))
 
 
@@ -92,7 +96,7 @@ def chart_tokens_by_batch(data: dict, path: Path) -> bool:
                 ax.annotate(f"B={r['budget']}", (batch, r["tokens_per_second"]), textcoords="offset points",
                             xytext=(4, -12), fontsize=8, color=METHOD_COLOURS[method])
     ax.set(xscale="log", yscale="log", xlabel="batch size (sequences)", ylabel="tokens/s",
-           title="SmolLM2-135M-Instruct + shipped drafter\n" + _subtitle(data))
+           title="SmolLM2-135M-Instruct + shipped drafter\n" + _subtitle(data, "smollm2"))
     ax.set_xticks(sorted({r["batch"] for r in rows}), [str(b) for b in sorted({r["batch"] for r in rows})])
     ax.minorticks_off()
     ax.legend()
@@ -120,7 +124,7 @@ def chart_rounds_by_budget(data: dict, path: Path) -> bool:
                 ax.axhline(ref[0], linestyle=style, color=colour, alpha=0.7, label=f"{method}, batch {batch}")
     budgets = sorted({r["budget"] for r in rows if r["method"] == "ddtree"})
     ax.set(xscale="log", xlabel="ddtree budget (tree nodes)", ylabel="ms per round",
-           title="Round time, Qwen3-8B shape (random weights)\n" + _subtitle(data))
+           title="Round time, Qwen3-8B shape (random weights)\n" + _subtitle(data, "rounds"))
     if budgets:
         ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.minorticks_off()
@@ -139,8 +143,9 @@ def chart_serve(data: dict, path: Path) -> bool:
         ax.plot([r["concurrency"] for r in levels], [r["output_tokens_per_s"] for r in levels], marker="o",
                 color=METHOD_COLOURS[method], label=method)
     clients = sorted({r["concurrency"] for levels in data["serve"].values() for r in levels})
-    ax.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="output tokens/s",
-           title="ddtree serve, SmolLM2-135M-Instruct\n" + _subtitle(data))
+    ax.set_ylim(bottom=0)
+    ax.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s",
+           title="ddtree serve, SmolLM2-135M-Instruct\n" + _subtitle(data, "serve"))
     ax.set_xticks(clients, [str(c) for c in clients])
     ax.minorticks_off()
     ax.legend()
@@ -160,10 +165,11 @@ def chart_forward(data: dict, path: Path) -> bool:
         ax.plot(widths, [ms[str(t)] if str(t) in ms else ms[t] for t in widths], marker="o", label=f"{variant} kernels")
     ax.axhline(micro["hbm_bound_ms"], linestyle="--", color="black", label="HBM bound (weights once)")
     ax.set(xscale="log", xlabel="tokens in the forward (batch 1, 1024 cached)", ylabel="ms",
-           title="One target forward, Qwen3-8B shape\n" + _subtitle(data))
+           title="One target forward, Qwen3-8B shape\n" + _subtitle(data, "micro"))
     ax.set_ylim(bottom=0)
+    ax.set_xticks(widths, [str(t) for t in widths])
     ax.minorticks_off()
-    ax.legend()
+    ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -273,7 +273,7 @@ if triton is not None:
         # kernel (flash-decoding). Row r is query head kvh * GROUP + r % GROUP of token r // GROUP: the
         # heads that share a KV head read its keys once, and a token's heads, in consecutive rows, share
         # its mask row. (One head's tokens per row block spilled registers and measured slower on an H200:
-        # docs/benchmarks.md, "Verify forward by width")
+        # docs/engine.md, "Fused kernels")
         pid = tl.program_id(0)
         split = tl.program_id(1)
         block = pid % ROW_BLOCKS
@@ -302,7 +302,7 @@ if triton is not None:
         # keys from the last one any query of the sequence sees on are not read (a graph's span bucket
         # is often far longer than the live text): a scalar test, where a test of the mask tile took a
         # reduction over the tile and kept the key loads waiting for the mask (measured slower on an
-        # H200: docs/benchmarks.md, "Verify forward by width")
+        # H200: docs/engine.md, "Fused kernels")
         extent = tl.minimum(tl.load(extent_ptr + b), span)
         for n0 in range(0, CHUNK, BLOCK_N):
             if split * CHUNK + n0 < extent:
@@ -409,9 +409,9 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of `gemv` per projection: the fastest of 16 configurations
-# for the Qwen3-8B shape on an H200 (2026-11-29, commit e728955; docs/benchmarks.md, "Decode step
-# against the memory-bandwidth bound"). The gate/up projection stays on cuBLAS, which already reads it
-# at about the copy bandwidth: no gemv configuration was clearly faster
+# for the Qwen3-8B shape on an H200 (2026-11-29, commit e728955; docs/engine.md, "Fused kernels"). The
+# gate/up projection stays on cuBLAS, which already reads it at about the copy bandwidth: no gemv
+# configuration was clearly faster
 GEMV_CONFIGS = {"qkv": (8, 256, 4, 3), "o": (16, 1024, 8, 3), "down": (8, 512, 8, 3)}
 
 
@@ -422,7 +422,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul: bool =
     cuBLAS serves one row with small tiles, and split-K plus a separate reduction kernel, which keeps
     the q/k/v, o and down projections of the 8B shape well above their copy-bandwidth time; here each
     program streams BLOCK_N whole rows of the weight, closer to it (measured on an H200:
-    docs/benchmarks.md, "Decode step against the memory-bandwidth bound"). silu_mul=True takes
+    docs/engine.md, "Fused kernels"). silu_mul=True takes
     x = [gate | up] (2 K) and applies silu(gate) * up on the fly, which saves the silu_mul kernel
     before the down projection."""
     n_out, k = weight.shape
@@ -455,7 +455,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 
 # (BLOCK_N, BLOCK_K, K splits, num_warps, num_stages) of `skinny_linear` for the projections it serves at
 # SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows. Chosen in whole forwards of the 8B shape on an H200
-# (2026-11-29, commit 108c21a; docs/benchmarks.md, "Verify forward by width"): o and gate/up made
+# (2026-11-29, commit 108c21a; docs/engine.md, "Fused kernels"): o and gate/up made
 # forwards of 9 to 64 rows faster; q/k/v (with qk_norm_rope_kv summing K splits) and down were faster
 # alone but no faster, or slower, in the forward, so they stay on cuBLAS
 SKINNY_CONFIGS = {"o": (64, 128, 2, 4, 5), "gate_up": (32, 64, 1, 4, 4)}
@@ -474,8 +474,8 @@ def skinny_applies(rows: int, n: int, k: int, config: tuple[int, int, int, int, 
 
 def skinny_block_m(rows: int) -> int:
     """skinny_linear's row tile: 16 (tl.dot's minimum) or 64. For 17-32 rows a tile of 32 measured
-    slower than one of 64 in whole forwards of the 8B shape on an H200 (docs/benchmarks.md, "Verify
-    forward by width")."""
+    slower than one of 64 in whole forwards of the 8B shape on an H200 (docs/engine.md, "Fused
+    kernels")."""
     return 16 if rows <= 16 else 64
 
 
@@ -485,7 +485,7 @@ def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, i
 
     At 33 rows it reads the o and gate/up weights of the 8B shape closer to their HBM time than cuBLAS
     does (o as two partial products in one batched GEMM; gate/up followed by silu_mul), measured on an
-    H200 (docs/benchmarks.md, "Verify forward by width"). Each program streams BLOCK_N rows of the
+    H200 (docs/engine.md, "Fused kernels"). Each program streams BLOCK_N rows of the
     weight through tl.dot with all the rows of x (on a row tile of skinny_block_m), with no reduction
     kernel. With K splits > 1 it returns the unsummed partial products [splits, *x.shape[:-1], N] in
     fp32, for add_rms_norm to add up. gate_up=True takes the fused [gate | up] weight and returns
@@ -532,7 +532,7 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
 # query tokens per sequence up to which `attention` replaces SDPA in the model: every tree width up to
 # B = 255. One-token forwards (decode) use it up to ATTENTION_DECODE_MAX_BATCH sequences: on the 8B
 # shape on an H200 it was faster than SDPA at batch 1 and 16 and slower at batch 64 (2026-11-29, commit
-# e728955; docs/benchmarks.md, "Decode step against the memory-bandwidth bound")
+# e728955; docs/engine.md, "Fused kernels")
 ATTENTION_MAX_TOKENS = 256
 ATTENTION_DECODE_MAX_BATCH = 16
 
@@ -546,7 +546,7 @@ def attention_chunk(bs: int, T: int, row_programs: int) -> int:
     """Key slots per program. Few programs along the rows (bs * KV heads * row blocks) need short
     chunks to fill the GPU; many take long ones, which cut the partial results to merge.
     Fastest of 32/64/128/256 on the 8B shape at 1024 tokens of context on an H200 (2026-11-29;
-    docs/benchmarks.md, "Verify forward by width"): one token: 32 at batch 1, 64 at batch 16; verify
+    docs/engine.md, "Fused kernels"): one token: 32 at batch 1, 64 at batch 16; verify
     and draft widths: 64 for 8 and 16 row programs (batch 1, 9/16/17 tokens), 128 for 24 and 40
     (batch 1, 33 and 65 tokens), 256 from 96 (batch 4, 33 tokens; batch 16, 9 and 17 tokens)."""
     if T == 1:
