@@ -14,13 +14,33 @@ from __future__ import annotations
 import gc
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .build import make_engine
+from .config import SpeculationConfig
 from .engine import Engine, SamplingParams
 from .loading import random_drafter, random_model  # noqa: F401 - re-exported for scripts
 from .model import Transformer
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """What `ddtree bench` measures (its sweep flags, parsed); what it loads is an EngineConfig."""
+
+    methods: list[str]
+    budgets: list[int]
+    batch_sizes: list[int]
+    graph_modes: list[bool]
+    kernel_variants: list[str]
+    rounds: int = 16
+    ctx: int = 1024
+    micro: bool = False
+    capture_all: bool = False
+    hf_baseline: bool = False
+    out: str | None = None
 
 
 def copy_bandwidth(device) -> float:
@@ -148,7 +168,7 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
     # room for warm-up, timed and profiled rounds at up to block_size tokens each
     block = drafter.block_size if drafter is not None and method != "ar" else 1
     max_seq = max(len(p) for p in prompts) + (rounds + 16) * block + 64
-    engine = Engine(target, drafter, method, budget, max_batch_size=batch, max_seq_len=max_seq)
+    engine = make_engine(target, drafter, SpeculationConfig(method, budget), max_batch_size=batch, max_seq_len=max_seq)
     row = {"method": method, "budget": engine.budget, "batch": batch, "graphs": graphs, "tree_size": engine.tree_size}
     cuda = engine.device.type == "cuda"
     if cuda:
@@ -241,7 +261,7 @@ def hf_baseline(target: Transformer, batch: int, prompts, new_tokens: int) -> di
 @torch.inference_mode()
 def capture_all(target, drafter, ctx: int, budget: int = 32) -> dict:
     """Capture time of every batch bucket (1..64) and span bucket for a ddtree engine."""
-    engine = Engine(target, drafter, "ddtree", budget, max_batch_size=64, max_seq_len=2 * ctx)
+    engine = make_engine(target, drafter, SpeculationConfig("ddtree", budget), max_batch_size=64, max_seq_len=2 * ctx)
     torch.cuda.reset_peak_memory_stats()
     seconds = engine.capture_graphs()
     out = {"budget": budget, "graphs": len(engine.graphs.graphs), "batch_buckets": engine.graphs.batch_buckets,
@@ -293,8 +313,8 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_bench(args, target, drafter, prompts, label: str, report: bool = True) -> dict:
-    """Every measurement asked for by args; prints JSON lines and writes --out when `report` (under
+def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: bool = True) -> dict:
+    """Every measurement asked for by the plan; prints JSON lines and writes --out when `report` (under
     tensor parallelism every rank runs the same measurements in step, rank 0 reports)."""
     device = torch.cuda.get_device_name() if target.lm_head.weight.is_cuda else f"cpu ({torch.get_num_threads()} threads)"
     world = target.tp.world if target.tp else 1
@@ -304,30 +324,30 @@ def run_bench(args, target, drafter, prompts, label: str, report: bool = True) -
         if report:
             print(json.dumps(record), flush=True)
 
-    if args.micro:
-        results["micro"] = micro(target, args.ctx, tuple(args.kernel_variants))
+    if plan.micro:
+        results["micro"] = micro(target, plan.ctx, tuple(plan.kernel_variants))
         emit({"micro": results["micro"]})
-    if args.capture_all and drafter is not None:
+    if plan.capture_all and drafter is not None:
         results["capture_all"] = {}
-        for variant in args.kernel_variants:
+        for variant in plan.kernel_variants:
             use_kernels(target, variant)
-            results["capture_all"][variant] = capture_all(target, drafter, args.ctx)
+            results["capture_all"][variant] = capture_all(target, drafter, plan.ctx)
         emit({"capture_all": results["capture_all"]})
     methods = []
-    for m in args.methods:
+    for m in plan.methods:
         if m == "ddtree":
-            methods += [("ddtree", b) for b in args.budgets]
+            methods += [("ddtree", b) for b in plan.budgets]
         else:
             methods.append((m, None))
-    for batch in args.batch_sizes:
+    for batch in plan.batch_sizes:
         for method, budget in methods:
-            for graphs in args.graph_modes:
+            for graphs in plan.graph_modes:
                 if method != "ar" and drafter is None:
                     continue
-                for variant in args.kernel_variants:
+                for variant in plan.kernel_variants:
                     use_kernels(target, variant)  # the Engine keeps an already fused target as it is
                     try:
-                        row = run_config(target, drafter, method, budget, batch, prompts, graphs, args.rounds,
+                        row = run_config(target, drafter, method, budget, batch, prompts, graphs, plan.rounds,
                                          profile_phases=True)
                     except torch.OutOfMemoryError as exc:
                         row = {"method": method, "budget": budget, "batch": batch, "graphs": graphs,
@@ -337,15 +357,15 @@ def run_bench(args, target, drafter, prompts, label: str, report: bool = True) -
                     row = {"method": row.pop("method"), "kernels": variant, **row}
                     results["rows"].append(row)
                     emit(row)
-        if args.hf_baseline:
-            row = hf_baseline(target, batch, prompts, args.rounds)
+        if plan.hf_baseline:
+            row = hf_baseline(target, batch, prompts, plan.rounds)
             results["rows"].append(row)
             emit(row)
     results["recommended_budget"] = recommend_budget(results["rows"])
     if results["recommended_budget"]:
         emit({"recommended_budget": results["recommended_budget"]})
-    if args.out and report:
-        out = Path(args.out)
+    if plan.out and report:
+        out = Path(plan.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(results, indent=1))
         md = markdown(results["rows"], label)

@@ -6,6 +6,23 @@ import argparse
 import json
 import sys
 
+from .build import (  # noqa: F401
+    load_drafter_ref,
+    load_target,
+    stop_ids,
+    target_config,
+    use_triton_kernels,
+)
+from .config import (
+    DEFAULT_SMOKE_BUCKETS,
+    FLAGS,
+    KERNEL_CHOICES,
+    ConfigError,
+    EngineConfig,
+    KernelConfig,
+)
+from .config import parse_int_list as _parse_int_list
+
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
@@ -37,146 +54,69 @@ def parse_budget(text: str) -> int | dict[int, int]:
     return policy
 
 
-def check_budget(args) -> None:
-    if isinstance(args.budget, dict) and args.method != "ddtree":
-        raise UsageError(f"a budget per batch size needs --method ddtree (got --method {args.method})")
-
-
 def _device_and_dtype(device: str | None, dtype: str | None):
-    import torch
+    """(device, torch dtype) of --device/--dtype as the engine commands resolve them (EngineConfig.resolve)."""
+    from .build import torch_dtype
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda requested but no CUDA device is available")
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype is None:
-        return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in names:
-        raise UsageError(f"unknown --dtype '{dtype}' (choose from float32, bfloat16, float16)")
-    return device, names[dtype]
+    config = EngineConfig.from_dict({"model": {"id": "-", "device": device, "dtype": dtype}},
+                                    names={"model.device": "--device", "model.dtype": "--dtype"})
+    model = config.resolve(default_drafter=False).model
+    return model.device, torch_dtype(model.dtype)
 
 
 # element-wise path of the target: "auto" = the Triton kernels on CUDA when triton is importable
-KERNEL_CHOICES = ("auto", "torch", "triton")
-DEFAULT_KERNELS = "auto"  # Triton on CUDA when importable (measured faster and lossless in fp32), PyTorch elsewhere
+DEFAULT_KERNELS = KernelConfig.backend  # Triton on CUDA when importable (measured faster and lossless in fp32)
 
-
-def use_triton_kernels(choice: str, device: str) -> bool:
-    from .kernels import available
-
-    if choice == "triton" and not available(device):
-        raise UsageError("--kernels triton needs triton and a CUDA device")
-    return choice == "triton" or (choice == "auto" and str(device).startswith("cuda") and available(device))
-
-
-def load_target(ref: str, device: str, dtype, revision: str | None = None, kernels: str = "torch"):
-    """(model, tokenizer) for a built-in id, local folder, .gguf file or hub id; `kernels` picks the
-    element-wise path (KERNEL_CHOICES)."""
-    from transformers import AutoTokenizer
-
-    from .loading import RANDOM_PREFIX, random_model, resolve_model
-    from .model import Transformer
-
-    triton = use_triton_kernels(kernels, device)  # refuse before the (slow) load
-    if ref.startswith(RANDOM_PREFIX):  # cost runs: random weights and a byte-level stand-in tokenizer
-        from .data import ByteTokenizer
-
-        target = random_model(ref.removeprefix(RANDOM_PREFIX), device, dtype)
-        if triton:
-            target.fuse(kernels=True)
-        return target, ByteTokenizer(target.config.vocab_size)
-    folder = resolve_model(ref, revision)
-    target = Transformer.from_pretrained(folder, dtype=dtype, device=device)
-    if triton:
-        target.fuse(kernels=True)  # the Engine keeps an already fused target as it is
-    return target, AutoTokenizer.from_pretrained(folder)
-
-
-def target_config(ref: str, revision: str | None = None):
-    """The target's ModelConfig without loading weights (a GGUF file is converted first)."""
-    from .loading import RANDOM_PREFIX, load_config, random_config, resolve_model
-    from .model import ModelConfig
-
-    if ref.startswith(RANDOM_PREFIX):
-        return random_config(ref)
-    return ModelConfig.from_hf(load_config(resolve_model(ref, revision)))
-
-
-def load_drafter_ref(ref: str, target, device: str, dtype, revision: str | None = None):
-    from .drafter import load_drafter
-    from .loading import RANDOM_PREFIX, random_drafter, resolve_model
-
-    if ref.startswith(RANDOM_PREFIX):  # random:LAYERS, a random-init drafter (cost runs)
-        layers = ref.removeprefix(RANDOM_PREFIX)
-        if not layers.isdigit() or int(layers) < 1:
-            raise UsageError(f"a random drafter is random:LAYERS with LAYERS >= 1, got '{ref}'")
-        return random_drafter(target, int(layers))
-    return load_drafter(resolve_model(ref, revision), target.config, dtype=dtype, device=device)
-
-
-def stop_ids(tokenizer, target) -> tuple[int, ...]:
-    ids = set(target.config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
-
-
-def check_parallel_flags(args) -> None:
-    import os
-
-    if args.tensor_parallel < 1:
-        raise UsageError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
-    if args.replicate_drafter and args.tensor_parallel == 1 and "WORLD_SIZE" not in os.environ:
-        raise UsageError("--replicate-drafter needs --tensor-parallel > 1")
+# flag dest -> config field, per command (the flags not listed here are the command's own)
+GENERATE_FLAGS = {d: f for d, f in FLAGS.items() if d in (
+    "model", "drafter", "method", "budget", "max_seq_len", "device", "dtype", "kernels", "tensor_parallel",
+    "replicate_drafter")}
+SMOKE_FLAGS = {**{d: f for d, f in FLAGS.items() if d in (
+    "model", "drafter", "method", "budget", "max_seq_len", "device", "dtype", "kernels", "termination_log",
+    "no_graphs")}, "batch_sizes": "kernels.batch_buckets"}
+BENCH_FLAGS = {d: f for d, f in FLAGS.items() if d in (
+    "model", "drafter", "device", "dtype", "kernels", "tensor_parallel", "replicate_drafter")}
 
 
 def cmd_generate(args) -> int:
     import os
 
-    check_budget(args)
+    config = EngineConfig.from_args(args, GENERATE_FLAGS)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
-    check_parallel_flags(args)
-    default_drafter(args)
-    device, _ = _device_and_dtype(args.device, args.dtype)
+    config = config.resolve()
+    device_type = config.model.device.split(":")[0]
+    tp = config.parallel.tensor_parallel
     if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
         from .parallel import init_from_env
 
-        rank, world = init_from_env(device.split(":")[0])
-        out = generate_on_rank(rank, world, args)
-    elif args.tensor_parallel > 1:  # start the ranks ourselves, once the split is known to fit
+        rank, world = init_from_env(device_type)
+        out = generate_on_rank(rank, world, config, args)
+    elif tp > 1:  # start the ranks ourselves, once the split is known to fit
         from .parallel import check_divisible, launch
 
-        check_divisible(target_config(args.model), args.tensor_parallel)
+        check_divisible(target_config(config.model.id, config.model.revision), tp)
 
-        rank, out = 0, launch(args.tensor_parallel, generate_on_rank, args, device_type=device.split(":")[0])
+        rank, out = 0, launch(tp, generate_on_rank, config, args, device_type=device_type)
     else:
-        rank, out = 0, generate_on_rank(0, 1, args)
+        rank, out = 0, generate_on_rank(0, 1, config, args)
     if rank == 0:
         print(json.dumps(out) if args.json else out["text"])
     return 0
 
 
-def generate_on_rank(rank: int, world: int, args) -> dict:
+def generate_on_rank(rank: int, world: int, config: EngineConfig, args) -> dict:
     """Load, split over `world` ranks when > 1, and generate; every rank computes the same tokens."""
-    from .engine import Engine, SamplingParams
+    from .build import load_models, make_engine
+    from .engine import SamplingParams
 
-    device, dtype = _device_and_dtype(args.device, args.dtype)
-    if world > 1 and device == "cuda":
-        device = f"cuda:{rank}"
-    target, tokenizer = load_target(args.model, device, dtype, kernels=args.kernels if world == 1 else "torch")
-    drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.method != "ar" else None
-    if world > 1:
-        from .parallel import split
-
-        split(target, drafter, rank, world, args.replicate_drafter)
-        target.fuse(kernels=use_triton_kernels(args.kernels, device))  # on the shards
+    loaded = load_models(config, rank, world)
+    target, tokenizer = loaded.target, loaded.tokenizer
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise UsageError(f"{args.model}'s tokenizer has no chat template: leave out --chat")
+            raise UsageError(f"{config.model.id}'s tokenizer has no chat template: leave out --chat")
         prompt_ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
         )
@@ -184,8 +124,9 @@ def generate_on_rank(rank: int, world: int, args) -> dict:
             prompt_ids = prompt_ids["input_ids"]
     else:
         prompt_ids = tokenizer.encode(args.prompt)
-    max_seq = args.max_seq_len or len(prompt_ids) + args.max_new_tokens
-    engine = Engine(target, drafter, args.method, args.budget, max_batch_size=1, max_seq_len=max_seq)
+    max_seq = config.serving.max_seq_len or len(prompt_ids) + args.max_new_tokens
+    # one sequence; the cache is sized after tokenizing, so load and build are two steps here
+    engine = make_engine(target, loaded.drafter, config.speculation, max_batch_size=1, max_seq_len=max_seq)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         stop_token_ids=stop_ids(tokenizer, target),
@@ -199,58 +140,33 @@ def generate_on_rank(rank: int, world: int, args) -> dict:
         "steps": res.rounds,
         "finish_reason": res.finish_reason,
         "prompt_tokens": res.prompt_tokens,
-        "method": args.method,
+        "method": config.speculation.method,
         "budget": engine.budget,
         "tensor_parallel": world,
     }
 
 
-def default_drafter(args) -> None:
-    """Fill --drafter for a built-in target that ships one; otherwise a drafter method needs it."""
-    from .loading import DEFAULT_DRAFTERS
-
-    if args.method != "ar" and not args.drafter:
-        args.drafter = DEFAULT_DRAFTERS.get(args.model)
-        if args.drafter is None:
-            raise UsageError(f"--method {args.method} needs --drafter (or use --method ar)")
-
-
 def parse_int_list(text: str, flag: str) -> list[int]:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{flag} takes comma-separated integers, got '{text}'") from None
-    if not values or min(values) < 1:
-        raise UsageError(f"{flag} needs positive integers, got '{text}'")
-    return values
-
-
-def build_engine(args, max_batch_size: int):
-    """Load target (+ drafter) and build an Engine from the common model flags."""
-    from .engine import Engine
-
-    check_budget(args)
-    default_drafter(args)
-    device, dtype = _device_and_dtype(args.device, args.dtype)
-    target, tokenizer = load_target(args.model, device, dtype, kernels=args.kernels)
-    drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.method != "ar" else None
-    engine = Engine(target, drafter, args.method, args.budget, max_batch_size=max_batch_size,
-                    max_seq_len=args.max_seq_len)
-    return engine, tokenizer
+        return _parse_int_list(text, flag)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def cmd_smoke(args) -> int:
+    from .build import build_engine
     from .smoke import run_smoke, write_termination_log
 
-    sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
-    engine, tokenizer = build_engine(args, max(sizes))
-    if engine.device.type == "cuda" and not args.no_graphs:
+    config = EngineConfig.from_args(args, SMOKE_FLAGS).resolve()
+    sizes = list(config.kernels.batch_buckets or DEFAULT_SMOKE_BUCKETS)
+    engine, tokenizer = build_engine(config, max_batch_size=max(sizes))
+    if engine.device.type == "cuda" and config.kernels.graphs:
         engine.capture_graphs(batch_buckets=sizes)
     texts = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time", "import numpy as np\n"]
     report = run_smoke(engine, sizes, [tokenizer.encode(t) for t in texts], max_new_tokens=args.max_new_tokens,
                        min_acceptance=args.min_acceptance, fault=args.fault)
     if not report.passed:
-        write_termination_log(report.reason, args.termination_log)
+        write_termination_log(report.reason, config.serving.termination_log)
     print(report.reason, file=sys.stderr)
     print(json.dumps(report.to_json()))
     return 0 if report.passed else 1
@@ -271,42 +187,51 @@ BENCH_PROMPTS = [
 def cmd_bench(args) -> int:
     import os
 
-    device, _ = _device_and_dtype(args.device, args.dtype)
-    if device == "cpu" and (args.graphs != "off" or args.capture_all or args.hf_baseline):
-        raise UsageError("on CPU, bench runs only with --graphs off and without --capture-all/--hf-baseline")
+    from .bench import BenchPlan
     from .kernels import available
 
-    if args.kernels == "auto":
-        args.kernel_variants = ["triton"] if device.startswith("cuda") and available(device) else ["torch"]
+    both = getattr(args, "kernels", None) == "both"
+    config = EngineConfig.from_args(args, {d: f for d, f in BENCH_FLAGS.items() if not (both and d == "kernels")})
+    # bench sweeps --methods and --budgets over one load: the file's speculation section does not apply
+    config = config.replace(speculation={"method": "ddtree", "budget": None, "block_size": None})
+    config = config.resolve(default_drafter=False)
+    device = config.model.device
+    if device == "cpu" and (args.graphs != "off" or args.capture_all or args.hf_baseline):
+        raise UsageError("on CPU, bench runs only with --graphs off and without --capture-all/--hf-baseline")
+    kernels = "both" if both else config.kernels.backend
+    if kernels == "auto":
+        variants = ["triton"] if device.startswith("cuda") and available(device) else ["torch"]
     else:
-        args.kernel_variants = ["torch", "triton"] if args.kernels == "both" else [args.kernels]
-        if "triton" in args.kernel_variants and not available(device):
-            raise UsageError(f"--kernels {args.kernels} needs triton and a CUDA device "
+        variants = ["torch", "triton"] if kernels == "both" else [kernels]
+        if "triton" in variants and not available(device):
+            raise UsageError(f"--kernels {kernels} needs triton and a CUDA device "
                              "(on CPU only under TRITON_INTERPRET=1, slowly)")
-    args.methods = [m for m in args.methods.split(",") if m]
-    unknown = set(args.methods) - {"ar", "dflash", "ddtree"}
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - {"ar", "dflash", "ddtree"}
     if unknown:
         raise UsageError(f"unknown methods {sorted(unknown)} in --methods")
-    args.budgets = parse_int_list(args.budgets, "--budgets")
-    args.batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
-    args.graph_modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs]
-    check_parallel_flags(args)
+    plan = BenchPlan(
+        methods=methods, budgets=parse_int_list(args.budgets, "--budgets"),
+        batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
+        graph_modes={"on": [True], "off": [False], "both": [False, True]}[args.graphs], kernel_variants=variants,
+        rounds=args.rounds, ctx=args.ctx, micro=args.micro, capture_all=args.capture_all,
+        hf_baseline=args.hf_baseline, out=args.out)
+    tp = config.parallel.tensor_parallel
     if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
         from .parallel import init_from_env
 
-        bench_on_rank(*init_from_env(device.split(":")[0]), args)
-    elif args.tensor_parallel > 1:
+        bench_on_rank(*init_from_env(device.split(":")[0]), config, plan)
+    elif tp > 1:
         if args.hf_baseline:
             raise UsageError("--hf-baseline runs on one device: leave out --tensor-parallel")
-        if device.startswith("cuda") and torch_cuda_count() < args.tensor_parallel:
-            raise UsageError(f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} GPUs, "
-                             f"this host has {torch_cuda_count()}")
+        if device.startswith("cuda") and torch_cuda_count() < tp:
+            raise UsageError(f"--tensor-parallel {tp} needs {tp} GPUs, this host has {torch_cuda_count()}")
         from .parallel import check_divisible, launch
 
-        check_divisible(target_config(args.model), args.tensor_parallel)
-        launch(args.tensor_parallel, bench_on_rank, args, device_type=device.split(":")[0])
+        check_divisible(target_config(config.model.id, config.model.revision), tp)
+        launch(tp, bench_on_rank, config, plan, device_type=device.split(":")[0])
     else:
-        bench_on_rank(0, 1, args)
+        bench_on_rank(0, 1, config, plan)
     return 0
 
 
@@ -316,20 +241,20 @@ def torch_cuda_count() -> int:
     return torch.cuda.device_count()
 
 
-def bench_on_rank(rank: int, world: int, args) -> None:
+def bench_on_rank(rank: int, world: int, config: EngineConfig, plan) -> None:
     """Load (and split over `world` ranks when > 1) and run the benchmark; rank 0 prints and writes."""
     import torch
 
     from .bench import run_bench
+    from .build import load_models
 
-    device, dtype = _device_and_dtype(args.device, args.dtype)
-    if world > 1 and device == "cuda":
-        device = f"cuda:{rank}"
-    target, tokenizer = load_target(args.model, device, dtype)
-    if args.model.startswith("random:"):
+    # every measurement picks its kernel variant itself (bench.use_kernels): load with the PyTorch path
+    loaded = load_models(config.replace(kernels={"backend": "torch"}), rank, world)
+    target, tokenizer, model = loaded.target, loaded.tokenizer, config.model.id
+    if model.startswith("random:"):
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, target.config.vocab_size, (args.ctx,), generator=g).tolist() for _ in range(4)]
-        label = f"{args.model} (random weights: acceptance is meaningless, cost only)"
+        prompts = [torch.randint(0, target.config.vocab_size, (plan.ctx,), generator=g).tolist() for _ in range(4)]
+        label = f"{model} (random weights: acceptance is meaningless, cost only)"
     else:
         prompts = []
         for text in BENCH_PROMPTS:
@@ -339,14 +264,10 @@ def bench_on_rank(rank: int, world: int, args) -> None:
                 prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                              add_generation_prompt=True, tokenize=True,
                                                              return_dict=False))
-        label = f"{args.model} + {args.drafter or 'no drafter'}"
-    drafter = load_drafter_ref(args.drafter, target, device, dtype) if args.drafter else None
+        label = f"{model} + {config.model.drafter or 'no drafter'}"
     if world > 1:
-        from .parallel import split
-
-        how = split(target, drafter, rank, world, args.replicate_drafter)
-        label += f", tensor parallel {world} (drafter {how})"
-    run_bench(args, target, drafter, prompts, label, report=rank == 0)
+        label += f", tensor parallel {world} (drafter {loaded.drafter_split})"
+    run_bench(plan, target, loaded.drafter, prompts, label, report=rank == 0)
 
 
 def cmd_init_drafter(args) -> int:
@@ -372,25 +293,51 @@ def cmd_init_drafter(args) -> int:
     return 0
 
 
+# The engine flags have no argparse default (SUPPRESS): an untyped flag is absent from the namespace, so
+# that EngineConfig.from_args applies only what the user typed over the --config file, and the defaults
+# come from ddtree.config's dataclasses.
+UNSET = argparse.SUPPRESS
+
+
+def add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON file of engine settings (docs/engine.md, "
+                                                    "\"Configuration\"); flags given here override it")
+
+
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tensor-parallel", type=int, default=1,
+    p.add_argument("--tensor-parallel", type=int, default=UNSET,
                    help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too")
-    p.add_argument("--replicate-drafter", action="store_true",
+    p.add_argument("--replicate-drafter", action="store_true", default=UNSET,
                    help="with --tensor-parallel: run the whole drafter on every rank instead of splitting its "
                         "layers like the target's (the default when its heads divide)")
 
 
+KERNELS_HELP = ("element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto (Triton on "
+                f"CUDA when available); default {DEFAULT_KERNELS}")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--config and the model/drafter/speculation/device flags of generate, serve and smoke."""
+    add_config_flag(p)
+    p.add_argument("--model", default=UNSET,
+                   help="built-in id (smollm2-135m-instruct), local folder, .gguf or hub id (required, here or "
+                        "in --config)")
+    p.add_argument("--drafter", default=UNSET, help="DFlash drafter: local folder, built-in id or hub id")
+    p.add_argument("--method", choices=["ar", "dflash", "ddtree"], default=UNSET, help="default ddtree")
+    p.add_argument("--budget", type=parse_budget, default=UNSET, help=BUDGET_HELP)
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=UNSET, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=UNSET,
+                   help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="built-in id (smollm2-135m-instruct), local folder, .gguf or hub id")
-    p.add_argument("--drafter", help="DFlash drafter: local folder, built-in id or hub id")
-    p.add_argument("--method", choices=["ar", "dflash", "ddtree"], default="ddtree")
-    p.add_argument("--budget", type=parse_budget, help=BUDGET_HELP)
-    p.add_argument("--max-seq-len", type=int, default=2048, help="KV cache length per sequence")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
-                   help="element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto "
-                        "(Triton on CUDA when available); default %(default)s")
+    add_model_flags(p)
+    p.add_argument("--max-seq-len", type=int, default=UNSET, help="KV cache length per sequence (default 2048)")
+    add_device_flags(p)
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=UNSET, help=KERNELS_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -398,39 +345,37 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    g.add_argument("--model", required=True, help="built-in id (smollm2-135m-instruct), local folder, .gguf or hub id")
-    g.add_argument("--drafter", help="DFlash drafter: local folder, built-in id or hub id")
-    g.add_argument("--method", choices=["ar", "dflash", "ddtree"], default="ddtree")
-    g.add_argument("--budget", type=parse_budget, help=BUDGET_HELP)
+    add_model_flags(g)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--max-seq-len", type=int, help="KV cache length (default: prompt + max new tokens)")
+    g.add_argument("--max-seq-len", type=int, default=UNSET,
+                   help="KV cache length (default: prompt + max new tokens)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--prompt", required=True)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-    g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
-    g.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
-                   help="element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto "
-                        "(Triton on CUDA when available); default %(default)s")
+    add_device_flags(g)
+    g.add_argument("--kernels", choices=KERNEL_CHOICES, default=UNSET, help=KERNELS_HELP)
     add_parallel_flags(g)
     g.set_defaults(func=cmd_generate)
 
     sm = sub.add_parser("smoke", help="capture graphs and compare them with eager execution (readiness gate)")
     add_engine_flags(sm)
-    sm.add_argument("--batch-sizes", default="1,2,4")
+    sm.add_argument("--batch-sizes", default=UNSET,
+                    help="batch sizes to test (and capture graphs for); default 1,2,4 (kernels.batch_buckets)")
     sm.add_argument("--max-new-tokens", type=int, default=8)
     sm.add_argument("--min-acceptance", type=float, default=1.0, help="fail below this acceptance length")
-    sm.add_argument("--termination-log", help="file for the failure reason (default /dev/termination-log if present)")
-    sm.add_argument("--no-graphs", action="store_true", help="compare batched eager rounds only")
+    sm.add_argument("--termination-log", default=UNSET,
+                    help="file for the failure reason (default /dev/termination-log if present)")
+    sm.add_argument("--no-graphs", action="store_true", default=UNSET, help="compare batched eager rounds only")
     sm.add_argument("--fault", choices=["corrupt-graph-input"], help=argparse.SUPPRESS)
     sm.set_defaults(func=cmd_smoke)
 
     b = sub.add_parser("bench", help="benchmark ar / dflash / ddtree with and without CUDA graphs")
-    b.add_argument("--model", required=True, help="model id, or random:qwen3-8b for random weights of that shape")
-    b.add_argument("--drafter", help="drafter id, or random:LAYERS for a random-init drafter")
+    add_config_flag(b)
+    b.add_argument("--model", default=UNSET, help="model id, or random:qwen3-8b for random weights of that shape")
+    b.add_argument("--drafter", default=UNSET, help="drafter id, or random:LAYERS for a random-init drafter")
     b.add_argument("--methods", default="ar,dflash,ddtree")
     b.add_argument("--budgets", default="8,16,32,64,128")
     b.add_argument("--batch-sizes", default="1,4,16,64")
@@ -439,13 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_flags(b)
     b.add_argument("--rounds", type=int, default=16, help="timed rounds per configuration")
     b.add_argument("--micro", action="store_true", help="also time single target forwards vs the HBM bound")
-    b.add_argument("--kernels", choices=[*KERNEL_CHOICES, "both"], default=DEFAULT_KERNELS,
+    b.add_argument("--kernels", choices=[*KERNEL_CHOICES, "both"], default=UNSET,
                    help="element-wise path of the target: PyTorch ops, Triton kernels, auto, or both in turn, "
-                        "with the logit difference in --micro; default %(default)s")
+                        f"with the logit difference in --micro; default {DEFAULT_KERNELS}")
     b.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
     b.add_argument("--capture-all", action="store_true", help="also time capturing every batch/span bucket")
-    b.add_argument("--device", help="cuda (default when available) or cpu (acceptance and eager speed only)")
-    b.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+    b.add_argument("--device", default=UNSET,
+                   help="cuda (default when available) or cpu (acceptance and eager speed only)")
+    b.add_argument("--dtype", default=UNSET, help="default: bfloat16 on cuda, float32 on cpu")
     b.add_argument("--out", help="folder for bench.json and bench.md")
     b.set_defaults(func=cmd_bench)
 
@@ -473,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except (UsageError, ModelNotFoundError, DrafterMismatchError, ValueError) as exc:
+    except (UsageError, ModelNotFoundError, DrafterMismatchError, ValueError) as exc:  # ConfigError too
         print(f"ddtree: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

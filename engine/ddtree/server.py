@@ -33,14 +33,15 @@ import time
 import uuid
 
 from .cli import (
-    BUDGET_HELP,
-    DEFAULT_KERNELS,
     KERNEL_CHOICES,
+    KERNELS_HELP,
+    UNSET,
     UsageError,
+    add_device_flags,
+    add_model_flags,
     add_parallel_flags,
-    check_parallel_flags,
-    parse_budget,
 )
+from .config import FLAGS, EngineConfig
 
 log = logging.getLogger("ddtree.server")
 
@@ -190,42 +191,19 @@ def _chat_messages(body: dict) -> list[dict]:
 # ---- the server -----------------------------------------------------------------------------
 
 
-def load_engine(cfg, rank: int = 0, bar=None):
-    """(engine, target, tokenizer) from the serve flags; with cfg.world > 1 the target is this rank's
-    shard (call it on every rank, after joining the group, so that all ranks build the same engine)."""
-    from .cli import load_drafter_ref, load_target, use_triton_kernels
-    from .engine import Engine
+def load_engine(config: EngineConfig, rank: int = 0, world: int = 1, bar=None):
+    """(engine, tokenizer) of a resolved config; with world > 1 the target is this rank's shard (call it
+    on every rank, after joining the group, so that all ranks build the same engine)."""
+    from .build import build_engine
 
     def note(text: str | None = None) -> None:
         if bar is not None:
             bar.set_postfix_str(text) if text else bar.update()
 
-    device = cfg.device
-    if cfg.world > 1 and device == "cuda":
-        device = f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
-    note(f"loading {cfg.model}")
-    target, tokenizer = load_target(cfg.model, device, cfg.dtype, cfg.revision,
-                                    kernels=cfg.kernels if cfg.world == 1 else "torch")
-    note()
-    drafter = None
-    if cfg.method != "ar":
-        note(f"loading drafter {cfg.drafter}")
-        drafter = load_drafter_ref(cfg.drafter, target, device, cfg.dtype, cfg.drafter_revision)
-        if cfg.block_size is not None and cfg.block_size != drafter.block_size:
-            raise ValueError(f"--block-size {cfg.block_size} differs from the drafter's block size "
-                             f"{drafter.block_size} (a DFlash drafter is trained for one block size)")
-    note()
-    if cfg.world > 1:
-        from .parallel import split
-
-        split(target, drafter, rank, cfg.world, cfg.replicate_drafter)
-        target.fuse(kernels=use_triton_kernels(cfg.kernels, device))  # on the shards
-    engine = Engine(target, drafter, cfg.method, cfg.budget, max_batch_size=cfg.max_batch_size,
-                    max_seq_len=cfg.max_seq_len)
-    return engine, target, tokenizer
+    return build_engine(config, rank, world, note=note)
 
 
-def serve_follower(rank: int, world: int, cfg) -> int:
+def serve_follower(rank: int, world: int, config: EngineConfig) -> int:
     """Ranks 1..N-1 of `ddtree serve --tensor-parallel N`: load this rank's shard, build the same engine
     as rank 0 and replay rank 0's engine calls until it sends stop. No HTTP server, no port.
 
@@ -236,18 +214,20 @@ def serve_follower(rank: int, world: int, cfg) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    init_from_env(cfg.device.split(":")[0])  # a no-op when start_followers' process already joined
+    init_from_env(config.model.device.split(":")[0])  # a no-op when start_followers' process already joined
     group = command_group()
-    engine, _, _ = load_engine(cfg, rank)
+    engine, _ = load_engine(config, rank, world)
     follow(engine, group)
     leave_group(engine)  # at the same time as rank 0 (NCCL's teardown waits for every rank)
     return 0
 
 
 class EngineServer:
-    def __init__(self, cfg):
-        self.cfg = cfg
-        self.name = cfg.served_model_name or cfg.model
+    def __init__(self, config: EngineConfig, world: int = 1, smoke_fault: str | None = None):
+        """`config`: resolved (EngineConfig.resolve()); `world`: tensor parallel ranks (this one is 0)."""
+        self.config, self.world, self.smoke_fault = config, world, smoke_fault
+        self.graph_buckets, self.smoke_sizes = config.serve_batch_sizes()
+        self.name = config.served_model_name
         from .metrics import ServerMetrics
 
         self.metrics = ServerMetrics(self.name)
@@ -284,39 +264,41 @@ class EngineServer:
         self._fail(f"tensor parallel rank {dead.name.rsplit('-', 1)[-1]} exited with code {dead.exitcode}")
 
     def _load(self) -> None:
-        cfg = self.cfg
+        config = self.config
+        max_seq_len = config.serving.seq_len
         try:
             from tqdm import tqdm
 
-            from .cli import stop_ids
+            from .build import stop_ids
             from .smoke import run_smoke
 
             bar = tqdm(total=5, desc="ddtree serve", unit="step", file=sys.stderr, dynamic_ncols=True)
-            if cfg.world > 1:
+            if self.world > 1:
                 from .parallel import Leader, command_group, init_from_env
 
-                bar.set_postfix_str(f"joining {cfg.world} tensor parallel ranks")
-                init_from_env(cfg.device.split(":")[0])
+                bar.set_postfix_str(f"joining {self.world} tensor parallel ranks")
+                init_from_env(config.model.device.split(":")[0])
                 self.leader = Leader(None, command_group())
-            engine, target, tokenizer = load_engine(cfg, 0, bar)
+            engine, tokenizer = load_engine(config, 0, self.world, bar)
+            target = engine.target
             if self.leader is not None:
                 self.leader.engine = engine
                 engine = self.leader
             self.metrics.spec_budget.set(engine.budget)
             bar.update()
             self.phase = "capturing"
-            if engine.device.type == "cuda" and not cfg.no_graphs:
-                bar.set_postfix_str(f"capturing CUDA graphs (batch buckets {cfg.graph_buckets})")
+            if engine.device.type == "cuda" and config.kernels.graphs:
+                bar.set_postfix_str(f"capturing CUDA graphs (batch buckets {self.graph_buckets})")
                 # greedy and sampling rounds; shapes outside the buckets run eagerly (and count as fallbacks)
-                engine.capture_graphs(batch_buckets=cfg.graph_buckets, sampling=(False, True), fallback=True)
+                engine.capture_graphs(batch_buckets=self.graph_buckets, sampling=(False, True), fallback=True)
             bar.update()
             self.phase = "smoke_test"
-            bar.set_postfix_str(f"smoke test (batch sizes {cfg.smoke_sizes})")
-            limit = max(1, cfg.max_seq_len - 9)
+            bar.set_postfix_str(f"smoke test (batch sizes {self.smoke_sizes})")
+            limit = max(1, max_seq_len - 9)
             prompts = [tokenizer.encode(t)[:limit] for t in SMOKE_TEXTS]
-            extra = {"fault": cfg.smoke_fault} if cfg.smoke_fault else {}
+            extra = {"fault": self.smoke_fault} if self.smoke_fault else {}
             smoke = engine.smoke if self.leader is not None else functools.partial(run_smoke, engine)
-            report = smoke(cfg.smoke_sizes, prompts, max_new_tokens=min(8, cfg.max_seq_len - limit), **extra)
+            report = smoke(self.smoke_sizes, prompts, max_new_tokens=min(8, max_seq_len - limit), **extra)
             bar.update()
             bar.close()
         except BaseException as exc:  # any start-up failure ends the process with a reason
@@ -335,13 +317,13 @@ class EngineServer:
         self.engine, self.tokenizer, self.report = engine, tokenizer, report
         self.stop_token_ids = stop_ids(tokenizer, target)
         # decoding happens on the engine thread: give it its own tokenizer instance
-        self.scheduler = Scheduler(engine, copy.deepcopy(tokenizer), self.metrics, cfg.max_waiting)
+        self.scheduler = Scheduler(engine, copy.deepcopy(tokenizer), self.metrics, config.serving.waiting_limit)
         self.scheduler.start()
         self.metrics.smoke_test_passed.set(1)
         self.reason = report.reason
         self.phase = "ready"
         log.info("%s; ready to serve %s (%s, budget %s, %d slots x %d tokens)", report.reason, self.name,
-                 cfg.method, engine.budget, engine.max_batch_size, engine.max_seq_len)
+                 config.speculation.method, engine.budget, engine.max_batch_size, engine.max_seq_len)
 
     def _fail(self, reason: str) -> None:
         self.phase, self.reason, self.exit_code = "failed", reason, 1
@@ -350,7 +332,7 @@ class EngineServer:
         from .smoke import write_termination_log
 
         try:
-            write_termination_log(reason, self.cfg.termination_log)
+            write_termination_log(reason, self.config.serving.termination_log)
         except OSError as exc:
             log.error("could not write the termination log: %s", exc)
         if self.loop is not None:
@@ -466,7 +448,7 @@ class EngineServer:
 
         return web.json_response({"object": "list", "data": [{
             "id": self.name, "object": "model", "created": self.created, "owned_by": "ddtree",
-            "root": self.cfg.model, "max_model_len": self.cfg.max_seq_len,
+            "root": self.config.model.id, "max_model_len": self.config.serving.seq_len,
         }]})
 
     async def completions(self, request):
@@ -526,7 +508,7 @@ class EngineServer:
             raise APIError(503, f"the server is not ready ({self.phase}); poll /ready", code="not_ready")
         s = Sampling(body, chat, self.engine.budget)
         prompt = self._prompt_ids(body, chat)
-        limit = self.cfg.max_seq_len
+        limit = self.config.serving.seq_len
         if len(prompt) >= limit:
             raise _bad(f"the prompt has {len(prompt)} tokens; this server's context is {limit} tokens "
                        f"(prompt + max_tokens)", "prompt" if not chat else "messages")
@@ -644,17 +626,17 @@ class EngineServer:
 async def _serve(server: EngineServer) -> int:
     from aiohttp import web
 
-    cfg = server.cfg
+    host, port = server.config.serving.host, server.config.serving.port
     server.loop = asyncio.get_running_loop()
     server.stopped = asyncio.Event()
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, shutdown_timeout=5.0)
+    site = web.TCPSite(runner, host, port, shutdown_timeout=5.0)
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        server._fail(f"cannot listen on {cfg.host}:{cfg.port}: {exc}")
+        server._fail(f"cannot listen on {host}:{port}: {exc}")
         return 1
     host, port = runner.addresses[0][:2]
     log.info("listening on http://%s:%s (model %s)", host if ":" not in host else f"[{host}]", port, server.name)
@@ -679,85 +661,61 @@ def _int_list(text: str, flag: str) -> list[int]:
     return sorted(set(parse_int_list(text, flag)))
 
 
-def serve_config(args) -> argparse.Namespace:
-    """Validate `serve` flags (UsageError on bad ones) and resolve device, dtype and batch sizes."""
-    from .cli import _device_and_dtype
-
-    from .cli import check_budget, default_drafter
-
-    check_budget(args)
-
-    default_drafter(args)
-    if args.max_batch_size < 1:
-        raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
-    if args.max_seq_len < 16:
-        raise UsageError(f"--max-seq-len must be >= 16, got {args.max_seq_len}")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_waiting is not None and args.max_waiting < 0:
-        raise UsageError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    check_parallel_flags(args)
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        raise UsageError("--served-model-name must not be empty")
-    cfg = argparse.Namespace(**vars(args))
-    cfg.device, cfg.dtype = _device_and_dtype(args.device, args.dtype)
-    _tensor_parallel(cfg)
-    if args.batch_buckets:
-        sizes = _int_list(args.batch_buckets, "--batch-buckets")
-        if max(sizes) > args.max_batch_size:
-            raise UsageError(f"--batch-buckets {args.batch_buckets} exceed --max-batch-size {args.max_batch_size}")
-    else:
-        sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.max_batch_size}
-                       | {args.max_batch_size})
-    graphs = cfg.device.startswith("cuda") and not args.no_graphs
-    # with graphs, every batch size up to max_batch_size must have a bucket; the smoke test covers them all
-    cfg.graph_buckets = sorted(set(sizes) | {args.max_batch_size}) if graphs else []
-    cfg.smoke_sizes = cfg.graph_buckets or sizes
-    cfg.max_waiting = 4 * args.max_batch_size if args.max_waiting is None else args.max_waiting
-    cfg.served_model_name = args.served_model_name or args.model
-    return cfg
+SERVE_FLAGS = FLAGS  # serve has a flag for every field
 
 
-def _tensor_parallel(cfg) -> None:
-    """cfg.world and cfg.rank: started by torchrun (WORLD_SIZE set), or --tensor-parallel ranks that
+def serve_config(args) -> EngineConfig:
+    """The `serve` settings (--config file and flags), validated (ConfigError on bad ones) and resolved:
+    device, dtype and drafter filled in; the batch buckets are checked against max_batch_size."""
+    config = EngineConfig.from_args(args, SERVE_FLAGS).resolve()
+    config.serve_batch_sizes()
+    return config
+
+
+def _tensor_parallel(config: EngineConfig) -> tuple[int, int, bool]:
+    """(rank, world, spawn_followers): started by torchrun (WORLD_SIZE set), or --tensor-parallel ranks that
     this process starts itself (as rank 0). A split that does not fit is refused before anything starts."""
+    tp, flag = config.parallel.tensor_parallel, config.name("parallel.tensor_parallel")
     torchrun = "WORLD_SIZE" in os.environ
-    cfg.world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.tensor_parallel
-    cfg.rank = int(os.environ.get("RANK", "0")) if torchrun else 0
-    cfg.spawn_followers = cfg.world > 1 and not torchrun
-    if torchrun and cfg.tensor_parallel not in (1, cfg.world):
-        raise UsageError(f"--tensor-parallel {cfg.tensor_parallel} differs from torchrun's WORLD_SIZE {cfg.world}")
-    if cfg.world == 1:
-        return
-    if cfg.spawn_followers and cfg.device.startswith("cuda"):
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else tp
+    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    spawn_followers = world > 1 and not torchrun
+    if torchrun and tp not in (1, world):
+        raise UsageError(f"{flag} {tp} differs from torchrun's WORLD_SIZE {world}")
+    if world == 1:
+        return rank, world, spawn_followers
+    if spawn_followers and config.model.device.startswith("cuda"):
         import torch
 
-        if torch.cuda.device_count() < cfg.world:
-            raise UsageError(f"--tensor-parallel {cfg.world} needs {cfg.world} GPUs, this host has "
-                             f"{torch.cuda.device_count()}")
+        if torch.cuda.device_count() < world:
+            raise UsageError(f"{flag} {world} needs {world} GPUs, this host has {torch.cuda.device_count()}")
     from .loading import RANDOM_PREFIX, peek_config, random_config
     from .model import ModelConfig
     from .parallel import check_divisible
 
-    config = random_config(cfg.model) if cfg.model.startswith(RANDOM_PREFIX) else peek_config(cfg.model, cfg.revision)
-    if isinstance(config, dict):
-        config = ModelConfig.from_hf(config)
-    if config is not None:  # otherwise shard() refuses it at load time (a start-up failure)
-        check_divisible(config, cfg.world)  # ValueError: one line, exit 2
+    ref, revision = config.model.id, config.model.revision
+    model_config = random_config(ref) if ref.startswith(RANDOM_PREFIX) else peek_config(ref, revision)
+    if isinstance(model_config, dict):
+        model_config = ModelConfig.from_hf(model_config)
+    if model_config is not None:  # otherwise shard() refuses it at load time (a start-up failure)
+        check_divisible(model_config, world)  # ValueError: one line, exit 2
+    return rank, world, spawn_followers
 
 
 def cmd_serve(args) -> int:
-    cfg = serve_config(args)
+    config = serve_config(args)
+    rank, world, spawn_followers = _tensor_parallel(config)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                             stream=sys.stderr)
-    if cfg.rank > 0:  # a torchrun process other than rank 0
-        return serve_follower(cfg.rank, cfg.world, cfg)
-    server = EngineServer(cfg)
-    if cfg.spawn_followers:
+    if rank > 0:  # a torchrun process other than rank 0
+        return serve_follower(rank, world, config)
+    server = EngineServer(config, world, smoke_fault=args.smoke_fault)
+    if spawn_followers:
         from .parallel import start_followers
 
-        server.followers = start_followers(cfg.world, serve_follower, cfg, device_type=cfg.device.split(":")[0])
+        server.followers = start_followers(world, serve_follower, config,
+                                           device_type=config.model.device.split(":")[0])
     try:
         code = asyncio.run(_serve(server))
     finally:
@@ -790,30 +748,29 @@ def cmd_bench_serve(args) -> int:
 def register(subparsers, bench: bool = True) -> None:
     """Add `serve` (and `bench-serve`) to the `ddtree` command line's subparsers."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    p.add_argument("--model", required=True, help="built-in id (smollm2-135m-instruct), local folder, .gguf or hub id")
-    p.add_argument("--drafter", help="DFlash drafter: local folder, built-in id or hub id")
-    p.add_argument("--method", choices=["ar", "dflash", "ddtree"], default="ddtree")
-    p.add_argument("--budget", type=parse_budget, help=BUDGET_HELP)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--max-batch-size", type=int, default=8, help="engine slots = concurrently running requests")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="per-request context: prompt + max_tokens")
-    p.add_argument("--max-waiting", type=int, help="queued requests beyond the slots before 429 (default 4 x slots)")
-    p.add_argument("--served-model-name", help="model name in the API (default: the --model value)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--batch-buckets", help="batch sizes for CUDA graphs and the smoke test, e.g. 1,2,4,8 "
-                                           "(default: powers of two up to --max-batch-size)")
-    p.add_argument("--no-graphs", action="store_true", help="run rounds eagerly (no CUDA graph capture)")
-    p.add_argument("--termination-log", help="file for the start-up failure reason "
-                                             "(default /dev/termination-log when it exists)")
-    p.add_argument("--revision", help="hub revision of --model (branch, tag or commit)")
-    p.add_argument("--drafter-revision", help="hub revision of --drafter")
-    p.add_argument("--block-size", type=int, help="expected drafter block size (checked against the drafter)")
+    add_model_flags(p)  # --config, --model, --drafter, --method, --budget
+    p.add_argument("--host", default=UNSET, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=UNSET, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--max-batch-size", type=int, default=UNSET,
+                   help="engine slots = concurrently running requests (default 8)")
+    p.add_argument("--max-seq-len", type=int, default=UNSET,
+                   help="per-request context: prompt + max_tokens (default 2048)")
+    p.add_argument("--max-waiting", type=int, default=UNSET,
+                   help="queued requests beyond the slots before 429 (default 4 x slots)")
+    p.add_argument("--served-model-name", default=UNSET, help="model name in the API (default: the --model value)")
+    add_device_flags(p)
+    p.add_argument("--batch-buckets", default=UNSET, help="batch sizes for CUDA graphs and the smoke test, e.g. "
+                                                          "1,2,4,8 (default: powers of two up to --max-batch-size)")
+    p.add_argument("--no-graphs", action="store_true", default=UNSET,
+                   help="run rounds eagerly (no CUDA graph capture)")
+    p.add_argument("--termination-log", default=UNSET, help="file for the start-up failure reason "
+                                                            "(default /dev/termination-log when it exists)")
+    p.add_argument("--revision", default=UNSET, help="hub revision of --model (branch, tag or commit)")
+    p.add_argument("--drafter-revision", default=UNSET, help="hub revision of --drafter")
+    p.add_argument("--block-size", type=int, default=UNSET,
+                   help="expected drafter block size (checked against the drafter)")
     add_parallel_flags(p)
-    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
-                   help="element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto "
-                        "(Triton on CUDA when available); default %(default)s")
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=UNSET, help=KERNELS_HELP)
     p.add_argument("--smoke-fault", choices=list(SMOKE_FAULTS), help=argparse.SUPPRESS)  # tests only
     p.set_defaults(func=cmd_serve)
     if not bench:

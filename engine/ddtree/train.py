@@ -621,7 +621,9 @@ def measure_acceptance(target: Transformer, drafter: DFlashDrafter, data: TokenD
                        cfg: TrainConfig) -> dict:
     """Real acceptance lengths of Engine dflash and ddtree (budget cfg.final_eval_budget), greedy,
     on the prompts of the first held-out sequences, plus whether both emit the `ar` tokens."""
-    from .engine import Engine, SamplingParams
+    from .build import make_engine
+    from .config import SpeculationConfig
+    from .engine import SamplingParams
 
     dtype = target.lm_head.weight.dtype
     d = copy.deepcopy(drafter).to(dtype).eval()
@@ -635,8 +637,8 @@ def measure_acceptance(target: Transformer, drafter: DFlashDrafter, data: TokenD
     out = {"prompts": len(prompts), "max_new_tokens": cfg.final_eval_tokens}
     ref = None
     for method, budget in (("ar", None), ("dflash", None), ("ddtree", cfg.final_eval_budget)):
-        eng = Engine(target, None if method == "ar" else d, method, budget, max_batch_size=len(prompts),
-                     max_seq_len=max_seq)
+        eng = make_engine(target, None if method == "ar" else d, SpeculationConfig(method, budget),
+                          max_batch_size=len(prompts), max_seq_len=max_seq)
         t0 = time.perf_counter()
         res = eng.generate(prompts, sp)
         secs = time.perf_counter() - t0

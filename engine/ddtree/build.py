@@ -1,0 +1,150 @@
+"""The one build path: an `EngineConfig` in, a loaded (split, fused) target and drafter and an `Engine` out.
+
+`build_engine(config, rank, world)` is what `generate`, `serve` (every rank), `smoke` and `bench` run;
+`load_models` and `make_engine` are its two halves, for callers that need the tokenizer before sizing the
+engine (`generate`) or build many engines over one load (`bench`'s sweep, training's acceptance check).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .config import (  # noqa: F401
+    DTYPE_NAMES,
+    KERNEL_CHOICES,
+    ConfigError,
+    EngineConfig,
+    SpeculationConfig,
+)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[DTYPE_NAMES[name]]
+
+
+def use_triton_kernels(choice: str, device: str) -> bool:
+    from .kernels import available
+
+    if choice == "triton" and not available(device):
+        raise ConfigError("--kernels triton needs triton and a CUDA device")
+    return choice == "triton" or (choice == "auto" and str(device).startswith("cuda") and available(device))
+
+
+def load_target(ref: str, device: str, dtype, revision: str | None = None, kernels: str = "torch"):
+    """(model, tokenizer) for a built-in id, local folder, .gguf file or hub id; `kernels` picks the
+    element-wise path (KERNEL_CHOICES)."""
+    from transformers import AutoTokenizer
+
+    from .loading import RANDOM_PREFIX, random_model, resolve_model
+    from .model import Transformer
+
+    triton = use_triton_kernels(kernels, device)  # refuse before the (slow) load
+    if ref.startswith(RANDOM_PREFIX):  # cost runs: random weights and a byte-level stand-in tokenizer
+        from .data import ByteTokenizer
+
+        target = random_model(ref.removeprefix(RANDOM_PREFIX), device, dtype)
+        if triton:
+            target.fuse(kernels=True)
+        return target, ByteTokenizer(target.config.vocab_size)
+    folder = resolve_model(ref, revision)
+    target = Transformer.from_pretrained(folder, dtype=dtype, device=device)
+    if triton:
+        target.fuse(kernels=True)  # the Engine keeps an already fused target as it is
+    return target, AutoTokenizer.from_pretrained(folder)
+
+
+def target_config(ref: str, revision: str | None = None):
+    """The target's ModelConfig without loading weights (a GGUF file is converted first)."""
+    from .loading import RANDOM_PREFIX, load_config, random_config, resolve_model
+    from .model import ModelConfig
+
+    if ref.startswith(RANDOM_PREFIX):
+        return random_config(ref)
+    return ModelConfig.from_hf(load_config(resolve_model(ref, revision)))
+
+
+def load_drafter_ref(ref: str, target, device: str, dtype, revision: str | None = None):
+    from .drafter import load_drafter
+    from .loading import RANDOM_PREFIX, random_drafter, resolve_model
+
+    if ref.startswith(RANDOM_PREFIX):  # random:LAYERS, a random-init drafter (cost runs)
+        layers = ref.removeprefix(RANDOM_PREFIX)
+        if not layers.isdigit() or int(layers) < 1:
+            raise ConfigError(f"a random drafter is random:LAYERS with LAYERS >= 1, got '{ref}'")
+        return random_drafter(target, int(layers))
+    return load_drafter(resolve_model(ref, revision), target.config, dtype=dtype, device=device)
+
+
+def stop_ids(tokenizer, target) -> tuple[int, ...]:
+    ids = set(target.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+@dataclass
+class Loaded:
+    target: Any
+    drafter: Any  # None for `ar` (or a bench run without a drafter)
+    tokenizer: Any
+    drafter_split: str  # how the drafter runs under tensor parallelism: "split", "replicated" or "none"
+
+
+def rank_device(device: str, rank: int, world: int) -> str:
+    if world > 1 and device == "cuda":
+        return f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
+    return device
+
+
+def load_models(config: EngineConfig, rank: int = 0, world: int = 1,
+                note: Callable[[str | None], None] | None = None) -> Loaded:
+    """Target (+ drafter unless the method is `ar`) of a resolved config; with world > 1, this rank's
+    shard (call it on every rank, after joining the group), fused again on the shards."""
+    note = note or (lambda text=None: None)
+    m, spec = config.model, config.speculation
+    device, dtype = rank_device(m.device, rank, world), torch_dtype(m.dtype)
+    note(f"loading {m.id}")
+    target, tokenizer = load_target(m.id, device, dtype, m.revision,
+                                    kernels=config.kernels.backend if world == 1 else "torch")
+    note(None)
+    drafter = None
+    if spec.method != "ar" and m.drafter:
+        note(f"loading drafter {m.drafter}")
+        drafter = load_drafter_ref(m.drafter, target, device, dtype, m.drafter_revision)
+        if spec.block_size is not None and spec.block_size != drafter.block_size:
+            raise ValueError(f"{config.name('speculation.block_size')} {spec.block_size} differs from the "
+                             f"drafter's block size {drafter.block_size} (a DFlash drafter is trained for one "
+                             "block size)")
+    note(None)
+    how = "none"
+    if world > 1:
+        from .parallel import split
+
+        how = split(target, drafter, rank, world, config.parallel.replicate_drafter)
+        target.fuse(kernels=use_triton_kernels(config.kernels.backend, device))  # on the shards
+    return Loaded(target, drafter, tokenizer, how)
+
+
+def make_engine(target, drafter, speculation: SpeculationConfig, *, max_batch_size: int, max_seq_len: int):
+    """The Engine of loaded models: the one place engines are constructed from settings."""
+    from .engine import Engine
+
+    return Engine(target, drafter, speculation.method, speculation.budget, max_batch_size=max_batch_size,
+                  max_seq_len=max_seq_len)
+
+
+def build_engine(config: EngineConfig, rank: int = 0, world: int = 1, *, max_batch_size: int | None = None,
+                 max_seq_len: int | None = None, note=None):
+    """(engine, tokenizer) of a resolved config (EngineConfig.resolve()): load, apply the kernels, split
+    over `world` ranks when > 1, and size the engine by serving.max_batch_size / max_seq_len unless
+    given here."""
+    loaded = load_models(config, rank, world, note)
+    engine = make_engine(loaded.target, loaded.drafter, config.speculation,
+                         max_batch_size=max_batch_size or config.serving.max_batch_size,
+                         max_seq_len=max_seq_len or config.serving.seq_len)
+    return engine, loaded.tokenizer
