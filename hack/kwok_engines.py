@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 
 import kubernetes
+import yaml
 
 OWNER_LABEL = "ddtree.dev/speculativedeployment"
 # Paths that only exist inside the engine image; the local process keeps the host's own.
@@ -92,7 +93,7 @@ class EngineRunner:
         self.request_errors: list[str] = []
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self, load: bool = False, load_seconds: float = 900.0) -> "EngineRunner":
+    def start(self, load: bool = False, load_seconds: float = 900.0) -> EngineRunner:
         self._threads.append(threading.Thread(target=self._supervise, daemon=True))
         if load:
             self._threads.append(threading.Thread(target=self._load, args=(load_seconds,), daemon=True))
@@ -113,15 +114,18 @@ class EngineRunner:
                     pod.process.kill()
                     pod.process.wait()
 
-    def __enter__(self) -> "EngineRunner":
+    def __enter__(self) -> EngineRunner:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name} ({p.log}) ---\n{p.log.read_text(errors='replace')[-3000:]}"
-                         for p in self.pods.values() if p.log.exists())
+        return "\n".join(
+            f"--- {p.name} ({p.log}) ---\n{p.log.read_text(errors='replace')[-3000:]}"
+            for p in self.pods.values()
+            if p.log.exists()
+        )
 
     # -- kubelet ----------------------------------------------------------------------------------
     def _supervise(self) -> None:
@@ -150,11 +154,17 @@ class EngineRunner:
             raise RuntimeError(f"pod {pod.metadata.name} does not run `ddtree serve`: {command}")
         termination_log = self.workdir / f"{pod.metadata.name}.termination-log"
         log = self.workdir / f"{pod.metadata.name}.log"
-        args = _replace_flag(command[1:], "--host", ip)
+        args, config = self._local_config(pod, command[1:])
+        # flags override the configuration file: the pod's IP and a termination log on this machine
+        args = _replace_flag(args, "--host", ip)
         args = _replace_flag(args, "--termination-log", str(termination_log))
-        port = int(args[args.index("--port") + 1])
-        flag = "--served-model-name" if "--served-model-name" in args else "--model"
-        model = args[args.index(flag) + 1]
+        serving, model_ref = config.get("serving", {}), config.get("model", {})
+        port = int(args[args.index("--port") + 1]) if "--port" in args else int(serving.get("port", 8000))
+        if "--served-model-name" in args or "--model" in args:
+            flag = "--served-model-name" if "--served-model-name" in args else "--model"
+            model = args[args.index(flag) + 1]
+        else:
+            model = serving.get("served_model_name") or model_ref["id"]
         env = dict(os.environ)
         for var in container.env or []:
             if var.value is not None and var.name not in IMAGE_ONLY_ENV:
@@ -162,9 +172,36 @@ class EngineRunner:
         # Not ready until the engine says so (kwok marked it Ready the moment it was scheduled).
         self._set_status(pod.metadata.name, ready=False, state={"running": {"startedAt": _now()}})
         with open(log, "wb") as out:
-            process = subprocess.Popen([sys.executable, "-m", "ddtree.cli", *args], stdout=out,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "ddtree.cli", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
         self.pods[pod.metadata.name] = EnginePod(pod.metadata.name, ip, port, model, process, termination_log, log)
+
+    def _local_config(self, pod, args: list[str]) -> tuple[list[str], dict]:
+        """The pod's `--config` file, read from the ConfigMap mounted there, written to this machine, and
+        the arguments pointing at that copy; (args, {}) when the pod has no `--config`."""
+        if "--config" not in args:
+            return args, {}
+        path = pathlib.PurePosixPath(args[args.index("--config") + 1])
+        mounts = {m.name: m.mount_path for m in pod.spec.containers[0].volume_mounts or []}
+        source = next(
+            (
+                v.config_map.name
+                for v in pod.spec.volumes or []
+                if v.config_map is not None and mounts.get(v.name) == str(path.parent)
+            ),
+            None,
+        )
+        if source is None:
+            raise RuntimeError(f"pod {pod.metadata.name}: no ConfigMap mounted at {path.parent} for --config {path}")
+        text = self.core.read_namespaced_config_map(source, self.namespace).data[path.name]
+        local = self.workdir / f"{pod.metadata.name}.{path.name}"
+        local.write_text(text)
+        return _replace_flag(args, "--config", str(local)), yaml.safe_load(text)
 
     def _check(self, engine: EnginePod) -> None:
         if engine.finished:
@@ -175,8 +212,13 @@ class EngineRunner:
             message = engine.termination_log.read_text().strip() if engine.termination_log.exists() else ""
             if not message and code != 0:  # FallbackToLogsOnError
                 message = engine.log.read_bytes()[-LOG_TAIL_BYTES:].decode(errors="replace").strip()
-            terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                          "message": message, "startedAt": _now(), "finishedAt": _now()}
+            terminated = {
+                "exitCode": code,
+                "reason": "Completed" if code == 0 else "Error",
+                "message": message,
+                "startedAt": _now(),
+                "finishedAt": _now(),
+            }
             self._set_status(engine.name, ready=False, state={"terminated": terminated})
             return
         ready = self._get(engine, "/ready") == 200
@@ -197,12 +239,25 @@ class EngineRunner:
         flag = "True" if ready else "False"
         # A strategic merge would keep the old state's key next to the new one: null the others.
         state = {key: state.get(key) for key in ("waiting", "running", "terminated")}
-        body = {"status": {
-            "conditions": [{"type": "Ready", "status": flag, "lastTransitionTime": _now()},
-                           {"type": "ContainersReady", "status": flag, "lastTransitionTime": _now()}],
-            "containerStatuses": [{"name": "engine", "ready": ready, "restartCount": 0, "image": "ddtree-engine",
-                                   "imageID": "", "state": state, "started": "running" in state}],
-        }}
+        body = {
+            "status": {
+                "conditions": [
+                    {"type": "Ready", "status": flag, "lastTransitionTime": _now()},
+                    {"type": "ContainersReady", "status": flag, "lastTransitionTime": _now()},
+                ],
+                "containerStatuses": [
+                    {
+                        "name": "engine",
+                        "ready": ready,
+                        "restartCount": 0,
+                        "image": "ddtree-engine",
+                        "imageID": "",
+                        "state": state,
+                        "started": "running" in state,
+                    }
+                ],
+            }
+        }
         try:
             self.core.patch_namespaced_pod_status(name, self.namespace, body)
         except kubernetes.client.ApiException as exc:
@@ -233,8 +288,11 @@ class EngineRunner:
             engine = ready[turn % len(ready)]
             prompt = PROMPTS[turn % len(PROMPTS)]
             body = json.dumps({"model": engine.model, "prompt": prompt, "max_tokens": 32, "temperature": 0}).encode()
-            request = urllib.request.Request(f"http://{engine.ip}:{engine.port}/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"http://{engine.ip}:{engine.port}/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
             turn += 1
             try:
                 with opener.open(request, timeout=120) as response:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import math
 from typing import Any
+
+import yaml
 
 from . import api
 from .api import SpeculativeDeploymentSpec
@@ -28,7 +31,12 @@ STARTUP_PROBE_PERIOD_SECONDS = 10
 PROGRESS_DEADLINE_SLACK_SECONDS = 600
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
-METHOD_FLAG = {"ddtree": "ddtree", "dflash": "dflash", "none": "ar"}
+# The CRD's speculation.method `none` is the engine's method `ar` (plain autoregressive decoding).
+ENGINE_METHOD = {"ddtree": "ddtree", "dflash": "dflash", "none": "ar"}
+CONFIG_MOUNT = "/etc/ddtree"  # the engine configuration ConfigMap, mounted read-only
+CONFIG_FILE = "engine.yaml"
+CONFIG_VOLUME = "engine-config"
+CONFIG_HASH_ANNOTATION = f"{api.GROUP}/engine-config-sha256"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,33 +111,48 @@ def resolve_uri(uri: str) -> ResolvedUri:
     return ResolvedUri(uri)  # hub id, absolute path in the image, or built-in id: the engine resolves it
 
 
-def engine_args(spec: SpeculativeDeploymentSpec) -> list[str]:
-    """Arguments of `ddtree serve` (the container command is `ddtree serve`)."""
-    args = ["--model", resolve_uri(spec.model.uri).arg]
+def engine_config(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
+    """The engine's configuration file for this spec: the sections and field names of the engine's
+    `ddtree.config.EngineConfig` (docs/engine.md, "Configuration"), so that a setting is named once."""
+    model: dict[str, Any] = {"id": resolve_uri(spec.model.uri).arg}
     if spec.model.revision:
-        args += ["--revision", spec.model.revision]
+        model["revision"] = spec.model.revision
     if spec.drafter is not None:
-        args += ["--drafter", resolve_uri(spec.drafter.uri).arg]
+        model["drafter"] = resolve_uri(spec.drafter.uri).arg
         if spec.drafter.revision:
-            args += ["--drafter-revision", spec.drafter.revision]
-    speculation = spec.speculation
-    budget = str(speculation.budget)
-    if speculation.budget_by_batch_size:
-        budget = ",".join(f"{s.max_batch_size}:{s.budget}" for s in sorted(
-            speculation.budget_by_batch_size, key=lambda s: s.max_batch_size))
-    args += ["--method", METHOD_FLAG[speculation.method], "--budget", budget]
-    if speculation.block_size is not None:
-        args += ["--block-size", str(speculation.block_size)]
-    if speculation.batch_buckets:
-        args += ["--batch-buckets", ",".join(str(b) for b in sorted(speculation.batch_buckets))]
-    if spec.engine.max_batch_size is not None:
-        args += ["--max-batch-size", str(spec.engine.max_batch_size)]
-    if spec.model.served_name:
-        args += ["--served-model-name", spec.model.served_name]
+            model["drafter_revision"] = spec.drafter.revision
+    speculation_spec = spec.speculation
+    budget: int | dict[int, int] = speculation_spec.budget
+    if speculation_spec.budget_by_batch_size:
+        budget = {
+            s.max_batch_size: s.budget
+            for s in sorted(speculation_spec.budget_by_batch_size, key=lambda s: s.max_batch_size)
+        }
+    speculation: dict[str, Any] = {"method": ENGINE_METHOD[speculation_spec.method], "budget": budget}
+    if speculation_spec.block_size is not None:
+        speculation["block_size"] = speculation_spec.block_size
+    config: dict[str, Any] = {"model": model, "speculation": speculation}
+    if speculation_spec.batch_buckets:
+        config["kernels"] = {"batch_buckets": sorted(speculation_spec.batch_buckets)}
     if spec.parallelism.tensor > 1:
-        args += ["--tensor-parallel", str(spec.parallelism.tensor)]
-    args += ["--host", "0.0.0.0", "--port", str(spec.metrics.port), "--termination-log", TERMINATION_LOG]
-    return args + list(spec.engine.args)
+        config["parallel"] = {"tensor_parallel": spec.parallelism.tensor}
+    serving: dict[str, Any] = {"host": "0.0.0.0", "port": spec.metrics.port, "termination_log": TERMINATION_LOG}
+    if spec.engine.max_batch_size is not None:
+        serving["max_batch_size"] = spec.engine.max_batch_size
+    if spec.model.served_name:
+        serving["served_model_name"] = spec.model.served_name
+    config["serving"] = serving
+    return config
+
+
+def engine_config_text(spec: SpeculativeDeploymentSpec) -> str:
+    return yaml.safe_dump(engine_config(spec), sort_keys=False)
+
+
+def engine_args(spec: SpeculativeDeploymentSpec) -> list[str]:
+    """Arguments of `ddtree serve` (the container command): the mounted configuration file, then the
+    spec's extra flags, which override it."""
+    return ["--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}", *spec.engine.args]
 
 
 NCCL_DEFAULT_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -152,16 +175,25 @@ def _env(spec: SpeculativeDeploymentSpec) -> list[dict[str, Any]]:
     return env
 
 
-def _volumes(spec: SpeculativeDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(owner: Owner, spec: SpeculativeDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.resources.shared_memory_size)}}
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.resources.shared_memory_size)}},
+        {"name": CONFIG_VOLUME, "configMap": {"name": owner.name}},
     ]
-    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT, "readOnly": True},
+    ]
     if spec.model_cache is not None:
-        volumes.append({
-            "name": "cache",
-            "persistentVolumeClaim": {"claimName": spec.model_cache.claim_name, "readOnly": spec.model_cache.read_only},
-        })
+        volumes.append(
+            {
+                "name": "cache",
+                "persistentVolumeClaim": {
+                    "claimName": spec.model_cache.claim_name,
+                    "readOnly": spec.model_cache.read_only,
+                },
+            }
+        )
         mounts.append({"name": "cache", "mountPath": CACHE_DIR, "readOnly": spec.model_cache.read_only})
     else:
         volumes.append({"name": "cache", "emptyDir": {}})
@@ -222,7 +254,7 @@ def _tolerations(spec: SpeculativeDeploymentSpec) -> list[dict[str, Any]]:
 def render_deployment(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: EngineDefaults) -> dict[str, Any]:
     port = spec.metrics.port
     startup = spec.readiness.startup_timeout_seconds
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(owner, spec)
     container = {
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image or defaults.image,
@@ -284,7 +316,11 @@ def render_deployment(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: E
             "template": {
                 "metadata": {
                     "labels": labels(owner.name),
-                    "annotations": {"kubectl.kubernetes.io/default-container": ENGINE_CONTAINER},
+                    "annotations": {
+                        "kubectl.kubernetes.io/default-container": ENGINE_CONTAINER,
+                        # a changed configuration rolls the pods (a mounted ConfigMap alone would not)
+                        CONFIG_HASH_ANNOTATION: hashlib.sha256(engine_config_text(spec).encode()).hexdigest(),
+                    },
                 },
                 "spec": pod_spec,
             },
@@ -319,9 +355,19 @@ def render_pod_monitor(owner: Owner, spec: SpeculativeDeploymentSpec) -> dict[st
     }
 
 
+def render_config_map(owner: Owner, spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
+    """The engine configuration file the pods mount (read by `ddtree serve --config`)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner),
+        "data": {CONFIG_FILE: engine_config_text(spec)},
+    }
+
+
 def render_children(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: EngineDefaults) -> list[dict[str, Any]]:
-    """Every object the resource should own, in apply order."""
-    children = [render_deployment(owner, spec, defaults), render_service(owner, spec)]
+    """Every object the resource should own, in apply order (the ConfigMap before the pods that mount it)."""
+    children = [render_config_map(owner, spec), render_deployment(owner, spec, defaults), render_service(owner, spec)]
     if spec.metrics.pod_monitor:
         children.append(render_pod_monitor(owner, spec))
     return children

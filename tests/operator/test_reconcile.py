@@ -12,17 +12,23 @@ import threading
 import time
 
 import pytest
+import yaml
+
 from kube_testbed import ENGINE_IMAGE, OWNER_LABEL_KEY, wait_for
 
 pytestmark = pytest.mark.usefixtures("operator")
+
 
 def phase(cluster, namespace, name):
     return cluster.status(namespace, name).get("phase")
 
 
 def wait_phase(cluster, namespace, name, expected, timeout=60):
-    return wait_for(lambda: phase(cluster, namespace, name) == expected, timeout,
-                    f"{namespace}/{name} phase {expected} (status: {cluster.status(namespace, name)})")
+    return wait_for(
+        lambda: phase(cluster, namespace, name) == expected,
+        timeout,
+        f"{namespace}/{name} phase {expected} (status: {cluster.status(namespace, name)})",
+    )
 
 
 def owned_by(obj, cr) -> bool:
@@ -30,18 +36,22 @@ def owned_by(obj, cr) -> bool:
     return any(r.uid == cr["metadata"]["uid"] and r.controller and r.kind == "SpeculativeDeployment" for r in refs)
 
 
-@pytest.mark.parametrize("example, name, expected_phase, gpus", [
-    ("smollm2-cpu.yaml", "smollm2-cpu", "Ready", None),
-    ("qwen3-8b-ddtree.yaml", "qwen3-8b", "Ready", "1"),
-    # Its model cache PVC does not exist here, so its 8-GPU pod cannot be scheduled.
-    ("kimi-ddtree.yaml", "kimi-k2-6", "Pending", "8"),
-])
+@pytest.mark.parametrize(
+    "example, name, expected_phase, gpus",
+    [
+        ("smollm2-cpu.yaml", "smollm2-cpu", "Ready", None),
+        ("qwen3-8b-ddtree.yaml", "qwen3-8b", "Ready", "1"),
+        # Its model cache PVC does not exist here, so its 8-GPU pod cannot be scheduled.
+        ("kimi-ddtree.yaml", "kimi-k2-6", "Pending", "8"),
+    ],
+)
 def test_example_creates_owned_objects(cluster, namespace, example, name, expected_phase, gpus):
     cluster.apply_example(namespace, example)
     cr = cluster.specdeploy(namespace, name)
     deployment = wait_for(lambda: _read(cluster.apps.read_namespaced_deployment, name, namespace), 30, "Deployment")
     service = wait_for(lambda: _read(cluster.core.read_namespaced_service, name, namespace), 30, "Service")
-    assert owned_by(deployment, cr) and owned_by(service, cr)
+    config_map = wait_for(lambda: _read(cluster.core.read_namespaced_config_map, name, namespace), 30, "ConfigMap")
+    assert owned_by(deployment, cr) and owned_by(service, cr) and owned_by(config_map, cr)
     engine = deployment.spec.template.spec.containers[0]
     assert engine.image == ENGINE_IMAGE and engine.command == ["ddtree", "serve"]
     assert (engine.resources.limits or {}).get("nvidia.com/gpu") == gpus
@@ -59,8 +69,11 @@ def test_example_creates_owned_objects(cluster, namespace, example, name, expect
         assert cluster.get_row(namespace, name)["PHASE"] == "Ready"
     else:
         assert pods[0].status.phase == "Pending"
-        wait_for(lambda: cluster.condition(namespace, name, "Ready").get("reason") == "WaitingForPods", 30,
-                 "Ready=False WaitingForPods")
+        wait_for(
+            lambda: cluster.condition(namespace, name, "Ready").get("reason") == "WaitingForPods",
+            30,
+            "Ready=False WaitingForPods",
+        )
 
 
 def _read(read, name, namespace):
@@ -89,43 +102,84 @@ def test_kubectl_scale(cluster, namespace):
 
     cluster.kubectl("scale", "specdeploy", "smollm2-cpu", "-n", namespace, "--replicas=0")
     wait_for(lambda: not cluster.engine_pods(namespace, "smollm2-cpu"), 60, "pods gone after scaling to 0")
-    wait_for(lambda: cluster.condition(namespace, "smollm2-cpu", "Ready").get("reason") == "ScaledToZero", 30,
-             "Ready=False ScaledToZero")
+    wait_for(
+        lambda: cluster.condition(namespace, "smollm2-cpu", "Ready").get("reason") == "ScaledToZero",
+        30,
+        "Ready=False ScaledToZero",
+    )
 
 
 def test_spec_change_rolls_the_pods(cluster, namespace):
     cluster.apply_example(namespace, "smollm2-cpu.yaml")
     wait_phase(cluster, namespace, "smollm2-cpu", "Ready")
     (old_pod,) = cluster.engine_pods(namespace, "smollm2-cpu")
-    cluster.kubectl("patch", "specdeploy", "smollm2-cpu", "-n", namespace, "--type=merge",
-                    "-p", json.dumps({"spec": {"speculation": {"budget": 16}}}))
+    cluster.kubectl(
+        "patch",
+        "specdeploy",
+        "smollm2-cpu",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"speculation": {"budget": 16}}}),
+    )
 
     def rolled():
         pods = [p for p in cluster.engine_pods(namespace, "smollm2-cpu") if not p.metadata.deletion_timestamp]
         return len(pods) == 1 and pods[0].metadata.name != old_pod.metadata.name and pods[0]
 
-    new_pod = wait_for(rolled, 60, "the pod replaced")
-    args = new_pod.spec.containers[0].args
-    assert args[args.index("--budget") + 1] == "16"
-    wait_for(lambda: cluster.status(namespace, "smollm2-cpu").get("observedGeneration") == 2
-             and phase(cluster, namespace, "smollm2-cpu") == "Ready", 60, "Ready at generation 2")
+    wait_for(rolled, 60, "the pod replaced")
+    config = yaml.safe_load(cluster.core.read_namespaced_config_map("smollm2-cpu", namespace).data["engine.yaml"])
+    assert config["speculation"]["budget"] == 16
+    wait_for(
+        lambda: (
+            cluster.status(namespace, "smollm2-cpu").get("observedGeneration") == 2
+            and phase(cluster, namespace, "smollm2-cpu") == "Ready"
+        ),
+        60,
+        "Ready at generation 2",
+    )
     assert cluster.get_row(namespace, "smollm2-cpu")["BUDGET"] == "16"
 
 
 def kubelet_reports_crash(cluster, namespace, pod_name, message):
     """What the kubelet writes after the engine exited non-zero with `message` in its termination log."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    cluster.core.patch_namespaced_pod_status(pod_name, namespace, {"status": {
-        "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now},
-                       {"type": "ContainersReady", "status": "False", "lastTransitionTime": now}],
-        "containerStatuses": [{
-            "name": "engine", "ready": False, "restartCount": 1, "image": ENGINE_IMAGE, "imageID": "",
-            "started": False,
-            "state": {"running": None, "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}},
-            "lastState": {"terminated": {"exitCode": 3, "reason": "Error", "message": message,
-                                         "startedAt": now, "finishedAt": now}},
-        }],
-    }})
+    cluster.core.patch_namespaced_pod_status(
+        pod_name,
+        namespace,
+        {
+            "status": {
+                "conditions": [
+                    {"type": "Ready", "status": "False", "lastTransitionTime": now},
+                    {"type": "ContainersReady", "status": "False", "lastTransitionTime": now},
+                ],
+                "containerStatuses": [
+                    {
+                        "name": "engine",
+                        "ready": False,
+                        "restartCount": 1,
+                        "image": ENGINE_IMAGE,
+                        "imageID": "",
+                        "started": False,
+                        "state": {
+                            "running": None,
+                            "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"},
+                        },
+                        "lastState": {
+                            "terminated": {
+                                "exitCode": 3,
+                                "reason": "Error",
+                                "message": message,
+                                "startedAt": now,
+                                "finishedAt": now,
+                            }
+                        },
+                    }
+                ],
+            }
+        },
+    )
 
 
 def test_smoke_test_failure_surfaces_as_condition_and_event(cluster, namespace):
@@ -137,7 +191,9 @@ def test_smoke_test_failure_surfaces_as_condition_and_event(cluster, namespace):
 
     condition = wait_for(
         lambda: (c := cluster.condition(namespace, "smollm2-cpu", "SmokeTestPassed")).get("status") == "False" and c,
-        30, "SmokeTestPassed=False")
+        30,
+        "SmokeTestPassed=False",
+    )
     assert condition["reason"] == "SmokeTestFailed"
     assert condition["message"] == f"pod {pod.metadata.name} exited with code 3: {reason}"
     wait_phase(cluster, namespace, "smollm2-cpu", "Failed")
@@ -146,8 +202,10 @@ def test_smoke_test_failure_surfaces_as_condition_and_event(cluster, namespace):
 
     def event():
         events = cluster.core.list_namespaced_event(namespace).items
-        return next((e for e in events if e.involved_object.kind == "SpeculativeDeployment"
-                     and e.reason == "SmokeTestFailed"), None)
+        return next(
+            (e for e in events if e.involved_object.kind == "SpeculativeDeployment" and e.reason == "SmokeTestFailed"),
+            None,
+        )
 
     found = wait_for(event, 30, "a SmokeTestFailed Event")
     assert found.type == "Warning" and reason in found.message and found.involved_object.name == "smollm2-cpu"
@@ -159,10 +217,12 @@ def test_deleting_the_resource_removes_everything(cluster, namespace):
     cluster.kubectl("delete", "specdeploy", "smollm2-cpu", "-n", namespace, "--timeout=60s")
 
     def all_gone():
-        return not (cluster.apps.list_namespaced_deployment(namespace).items
-                    or cluster.apps.list_namespaced_replica_set(namespace).items
-                    or cluster.engine_pods(namespace, "smollm2-cpu")
-                    or [s for s in cluster.core.list_namespaced_service(namespace).items])
+        return not (
+            cluster.apps.list_namespaced_deployment(namespace).items
+            or cluster.apps.list_namespaced_replica_set(namespace).items
+            or cluster.engine_pods(namespace, "smollm2-cpu")
+            or [s for s in cluster.core.list_namespaced_service(namespace).items]
+        )
 
     wait_for(all_gone, 90, "Deployment, ReplicaSets, pods and Service garbage-collected")
 
@@ -172,8 +232,15 @@ def test_a_deleted_child_is_recreated(cluster, namespace):
     wait_phase(cluster, namespace, "smollm2-cpu", "Ready")
     old_uid = cluster.apps.read_namespaced_deployment("smollm2-cpu", namespace).metadata.uid
     cluster.kubectl("delete", "deployment", "smollm2-cpu", "-n", namespace)
-    recreated = wait_for(lambda: (d := _read(cluster.apps.read_namespaced_deployment, "smollm2-cpu", namespace))
-                         and d.metadata.uid != old_uid and d, 30, "the Deployment recreated")
+    recreated = wait_for(
+        lambda: (
+            (d := _read(cluster.apps.read_namespaced_deployment, "smollm2-cpu", namespace))
+            and d.metadata.uid != old_uid
+            and d
+        ),
+        30,
+        "the Deployment recreated",
+    )
     assert owned_by(recreated, cluster.specdeploy(namespace, "smollm2-cpu"))
     wait_phase(cluster, namespace, "smollm2-cpu", "Ready")
 
@@ -196,11 +263,13 @@ class FakeEngineMetrics:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's naming)
                 t = time.monotonic() - started
-                body = (f'ddtree_spec_decode_num_drafts_total{{model="m"}} {10 * t}\n'
-                        f'ddtree_spec_decode_num_accepted_tokens_total{{model="m"}} {25 * t}\n'
-                        f'ddtree_generation_tokens_total{{model="m"}} {35 * t}\n'
-                        f'ddtree_smoke_test_passed{{model="m"}} 1\n'
-                        f'ddtree_graph_capture_seconds{{model="m"}} 3.5\n').encode()
+                body = (
+                    f'ddtree_spec_decode_num_drafts_total{{model="m"}} {10 * t}\n'
+                    f'ddtree_spec_decode_num_accepted_tokens_total{{model="m"}} {25 * t}\n'
+                    f'ddtree_generation_tokens_total{{model="m"}} {35 * t}\n'
+                    f'ddtree_smoke_test_passed{{model="m"}} 1\n'
+                    f'ddtree_graph_capture_seconds{{model="m"}} 3.5\n'
+                ).encode()
                 self.send_response(200 if self.path == "/metrics" else 404)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.end_headers()
@@ -222,8 +291,11 @@ def test_scraped_metrics_fill_acceptance_and_throughput(cluster, namespace):
     wait_for(lambda: cluster.status(namespace, "smollm2-cpu").get("readyReplicas") == 2, 60, "2 ready replicas")
     servers = [FakeEngineMetrics(p.status.pod_ip, 8000) for p in cluster.engine_pods(namespace, "smollm2-cpu")]
     try:
-        status = wait_for(lambda: (s := cluster.status(namespace, "smollm2-cpu")).get("throughputTokensPerSecond")
-                          and s, 60, "throughput in status")
+        status = wait_for(
+            lambda: (s := cluster.status(namespace, "smollm2-cpu")).get("throughputTokensPerSecond") and s,
+            60,
+            "throughput in status",
+        )
         assert status["acceptanceLength"] == pytest.approx(3.5, abs=0.05)  # 1 + 25/10
         assert status["throughputTokensPerSecond"] == pytest.approx(70, rel=0.1)  # 35 tok/s x 2 replicas
         assert status["smokeTest"]["graphCaptureSeconds"] == 3.5
@@ -236,28 +308,52 @@ def test_scraped_metrics_fill_acceptance_and_throughput(cluster, namespace):
 
 
 POD_MONITOR_CRD = {  # just enough of the Prometheus operator's CRD to store PodMonitors
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
     "metadata": {"name": "podmonitors.monitoring.coreos.com"},
-    "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
-             "names": {"kind": "PodMonitor", "plural": "podmonitors", "singular": "podmonitor",
-                       "listKind": "PodMonitorList"},
-             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                 "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "PodMonitor",
+            "plural": "podmonitors",
+            "singular": "podmonitor",
+            "listKind": "PodMonitorList",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }
+        ],
+    },
 }
 
 
 def test_pod_monitor_follows_the_spec(cluster, namespace):
     def pod_monitors():
-        return cluster.custom.list_namespaced_custom_object(
-            "monitoring.coreos.com", "v1", namespace, "podmonitors")["items"]
+        return cluster.custom.list_namespaced_custom_object("monitoring.coreos.com", "v1", namespace, "podmonitors")[
+            "items"
+        ]
 
     def set_pod_monitor(enabled: bool):
-        cluster.kubectl("patch", "specdeploy", "smollm2-cpu", "-n", namespace, "--type=merge",
-                        "-p", json.dumps({"spec": {"metrics": {"podMonitor": enabled}}}))
+        cluster.kubectl(
+            "patch",
+            "specdeploy",
+            "smollm2-cpu",
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"metrics": {"podMonitor": enabled}}}),
+        )
 
     # Without the Prometheus operator's API the engines still run, and an Event says why there is none.
     cluster.apply_example(namespace, "smollm2-cpu.yaml")
     set_pod_monitor(True)
+
     def warned():
         return any(e.reason == "PodMonitorUnavailable" for e in cluster.core.list_namespaced_event(namespace).items)
 
@@ -266,8 +362,16 @@ def test_pod_monitor_follows_the_spec(cluster, namespace):
 
     cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(POD_MONITOR_CRD))
     cluster.kubectl("wait", "--for=condition=Established", "crd/podmonitors.monitoring.coreos.com")
-    cluster.kubectl("patch", "specdeploy", "smollm2-cpu", "-n", namespace, "--type=merge",
-                    "-p", json.dumps({"spec": {"metrics": {"scrapeIntervalSeconds": 10}}}))
+    cluster.kubectl(
+        "patch",
+        "specdeploy",
+        "smollm2-cpu",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"metrics": {"scrapeIntervalSeconds": 10}}}),
+    )
     (monitor,) = wait_for(pod_monitors, 30, "the PodMonitor")
     owner_uid = cluster.specdeploy(namespace, "smollm2-cpu")["metadata"]["uid"]
     assert monitor["metadata"]["ownerReferences"][0]["uid"] == owner_uid

@@ -4,13 +4,17 @@ import copy
 import pathlib
 
 import yaml
+
+from ddtree.config import EngineConfig
 from ddtree_operator.api import SpeculativeDeploymentSpec
 from ddtree_operator.render import (
+    CONFIG_HASH_ANNOTATION,
     EngineDefaults,
     Owner,
-    engine_args,
+    engine_config,
     labels,
     render_children,
+    render_config_map,
     render_deployment,
     render_service,
     selector_labels,
@@ -36,32 +40,72 @@ def container(deployment):
     return engine
 
 
-def test_smollm2_example_command_line():
+def mounted_config(s: SpeculativeDeploymentSpec) -> dict:
+    """The configuration file the pods read: the ConfigMap's engine.yaml, where `--config` points."""
+    engine = container(render_deployment(OWNER, s, DEFAULTS))
+    path = engine["args"][engine["args"].index("--config") + 1]
+    folder, name = path.rsplit("/", 1)
+    volume = next(m["name"] for m in engine["volumeMounts"] if m["mountPath"] == folder)
+    pod = render_deployment(OWNER, s, DEFAULTS)["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == volume)["configMap"] == {"name": OWNER.name}
+    return yaml.safe_load(render_config_map(OWNER, s)["data"][name])
+
+
+def test_smollm2_example_engine_configuration():
     engine = container(render_deployment(OWNER, example("smollm2-cpu.yaml"), DEFAULTS))
     assert engine["command"] == ["ddtree", "serve"]
-    assert engine["args"] == [
-        "--model", "smollm2-135m-instruct", "--drafter", "smollm2-135m-instruct-dflash",
-        "--method", "ddtree", "--budget", "8", "--batch-buckets", "1,2", "--max-batch-size", "2",
-        "--served-model-name", "smollm2", "--host", "0.0.0.0", "--port", "8000",
-        "--termination-log", "/dev/termination-log",
-    ]
+    assert engine["args"] == ["--config", "/etc/ddtree/engine.yaml"]
+    assert mounted_config(example("smollm2-cpu.yaml")) == {
+        "model": {"id": "smollm2-135m-instruct", "drafter": "smollm2-135m-instruct-dflash"},
+        "speculation": {"method": "ddtree", "budget": 8},
+        "kernels": {"batch_buckets": [1, 2]},
+        "serving": {
+            "host": "0.0.0.0",
+            "port": 8000,
+            "termination_log": "/dev/termination-log",
+            "max_batch_size": 2,
+            "served_model_name": "smollm2",
+        },
+    }
     assert engine["image"] == "ddtree-engine:9.9"  # the operator's default
     assert "nvidia.com/gpu" not in engine["resources"].get("limits", {})
+
+
+def test_every_example_renders_a_configuration_the_engine_reads_as_the_spec_says():
+    # the engine's own parser is the schema: a field the operator renders must exist there, by that name
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        s = example(path.name)
+        config = EngineConfig.from_dict(mounted_config(s))
+        assert config.model.id == s.model.uri.removeprefix("hf://")
+        assert config.speculation.method == {"none": "ar"}.get(s.speculation.method, s.speculation.method)
+        assert config.serving.port == s.metrics.port and config.parallel.tensor_parallel == s.parallelism.tensor
+
+
+def test_a_changed_configuration_rolls_the_pods():
+    def annotations(s):
+        return render_deployment(OWNER, s, DEFAULTS)["spec"]["template"]["metadata"]["annotations"]
+
+    assert annotations(spec()) == annotations(spec())
+    assert (
+        annotations(spec())[CONFIG_HASH_ANNOTATION]
+        != annotations(spec(speculation={"budget": 16}))[CONFIG_HASH_ANNOTATION]
+    )
 
 
 def test_kimi_example_uses_eight_gpus_with_tensor_parallelism():
     deployment = render_deployment(OWNER, example("kimi-ddtree.yaml"), DEFAULTS)
     engine = container(deployment)
-    args = engine["args"]
-    assert args[args.index("--tensor-parallel") + 1] == "8" and args[args.index("--budget") + 1] == "32"
+    config = mounted_config(example("kimi-ddtree.yaml"))
+    assert config["parallel"] == {"tensor_parallel": 8} and config["speculation"]["budget"] == 32
     assert engine["resources"]["limits"] == {"memory": "1000Gi", "nvidia.com/gpu": "8"}
     pod = deployment["spec"]["template"]["spec"]
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert terms == [{"matchExpressions": [
-        {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H200"]}]}]
+    assert terms == [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H200"]}]}
+    ]
     cache = next(v for v in pod["volumes"] if v["name"] == "cache")
     assert cache["persistentVolumeClaim"] == {"claimName": "kimi-k2-6-cache", "readOnly": False}
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in engine["env"]
@@ -72,26 +116,39 @@ def test_kimi_example_uses_eight_gpus_with_tensor_parallelism():
 
 
 def test_method_none_runs_the_engine_autoregressively_without_drafter():
-    args = engine_args(spec(drafter=None, speculation={"method": "none"}))
-    assert args[args.index("--method") + 1] == "ar"
-    assert "--drafter" not in args
+    config = engine_config(spec(drafter=None, speculation={"method": "none"}))
+    assert config["speculation"]["method"] == "ar"
+    assert "drafter" not in config["model"]
 
 
 def test_uris():
-    args = engine_args(spec(model={"uri": "hf://Qwen/Qwen3-8B", "revision": "abc123"},
-                            drafter={"uri": "z-lab/Qwen3-8B-DFlash-b16", "revision": "v2"}))
-    assert args[:8] == ["--model", "Qwen/Qwen3-8B", "--revision", "abc123",
-                        "--drafter", "z-lab/Qwen3-8B-DFlash-b16", "--drafter-revision", "v2"]
+    config = engine_config(
+        spec(
+            model={"uri": "hf://Qwen/Qwen3-8B", "revision": "abc123"},
+            drafter={"uri": "z-lab/Qwen3-8B-DFlash-b16", "revision": "v2"},
+        )
+    )
+    assert config["model"] == {
+        "id": "Qwen/Qwen3-8B",
+        "revision": "abc123",
+        "drafter": "z-lab/Qwen3-8B-DFlash-b16",
+        "drafter_revision": "v2",
+    }
 
 
 def test_pvc_uris_are_mounted_read_only_once_per_claim():
     s = spec(model={"uri": "pvc://weights/kimi/target"}, drafter={"uri": "pvc://weights/kimi/drafter"})
     deployment = render_deployment(OWNER, s, DEFAULTS)
     engine = container(deployment)
-    assert engine["args"][:4] == ["--model", "/mnt/pvc/weights/kimi/target",
-                                  "--drafter", "/mnt/pvc/weights/kimi/drafter"]
-    claims = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v
-              and v["name"].startswith("weights")]
+    assert engine_config(s)["model"] == {
+        "id": "/mnt/pvc/weights/kimi/target",
+        "drafter": "/mnt/pvc/weights/kimi/drafter",
+    }
+    claims = [
+        v
+        for v in deployment["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v and v["name"].startswith("weights")
+    ]
     assert claims == [{"name": "weights-0", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}]
     assert {"name": "weights-0", "mountPath": "/mnt/pvc/weights", "readOnly": True} in engine["volumeMounts"]
 
@@ -111,8 +168,8 @@ def test_probes_and_termination_message():
     assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
     assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert engine["terminationMessagePath"] == "/dev/termination-log"
-    args = engine["args"]
-    assert args[args.index("--termination-log") + 1] == engine["terminationMessagePath"]
+    config = engine_config(spec(readiness={"startupTimeoutSeconds": 95}))
+    assert config["serving"]["termination_log"] == engine["terminationMessagePath"]
 
 
 def test_without_smoke_test_readiness_follows_health():
@@ -123,23 +180,34 @@ def test_without_smoke_test_readiness_follows_health():
 def test_rollout_and_security():
     deployment = render_deployment(OWNER, spec(replicas=3), DEFAULTS)
     assert deployment["spec"]["replicas"] == 3
-    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
-                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
-    assert container(deployment)["securityContext"] == {"allowPrivilegeEscalation": False,
-                                                        "capabilities": {"drop": ["ALL"]}}
+    assert container(deployment)["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def test_user_affinity_gets_the_gpu_product_in_every_term():
-    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
-        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]},
-    ]}}}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]},
+                ]
+            }
+        }
+    }
     s = spec(scheduling={"affinity": affinity}, resources={"gpus": 1, "gpuProduct": ["NVIDIA-H100", "NVIDIA-H200"]})
     before = copy.deepcopy(s.model_dump())
     terms = render_deployment(OWNER, s, DEFAULTS)["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
     product = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100", "NVIDIA-H200"]}
     assert [t["matchExpressions"][-1] for t in terms] == [product, product]
     assert s.model_dump() == before  # rendering never mutates the spec
@@ -155,13 +223,19 @@ def test_scheduling_passthrough():
 
 def test_children_are_owned_and_selected_consistently():
     children = render_children(OWNER, spec(metrics={"podMonitor": True}), DEFAULTS)
-    assert [c["kind"] for c in children] == ["Deployment", "Service", "PodMonitor"]
+    assert [c["kind"] for c in children] == ["ConfigMap", "Deployment", "Service", "PodMonitor"]
     for child in children:
         (ref,) = child["metadata"]["ownerReferences"]
-        assert ref == {"apiVersion": "ddtree.dev/v1alpha1", "kind": "SpeculativeDeployment", "name": "demo",
-                       "uid": OWNER.uid, "controller": True, "blockOwnerDeletion": True}
+        assert ref == {
+            "apiVersion": "ddtree.dev/v1alpha1",
+            "kind": "SpeculativeDeployment",
+            "name": "demo",
+            "uid": OWNER.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
         assert (child["metadata"]["name"], child["metadata"]["namespace"]) == ("demo", "llm")
-    deployment, service, monitor = children
+    _, deployment, service, monitor = children
     assert deployment["spec"]["selector"]["matchLabels"] == selector_labels("demo")
     assert selector_labels("demo").items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     assert service["spec"]["selector"] == selector_labels("demo")
@@ -172,7 +246,7 @@ def test_children_are_owned_and_selected_consistently():
 
 
 def test_no_pod_monitor_unless_asked():
-    assert [c["kind"] for c in render_children(OWNER, spec(), DEFAULTS)] == ["Deployment", "Service"]
+    assert [c["kind"] for c in render_children(OWNER, spec(), DEFAULTS)] == ["ConfigMap", "Deployment", "Service"]
 
 
 def test_service_and_port_follow_metrics_port():
@@ -181,7 +255,7 @@ def test_service_and_port_follow_metrics_port():
     assert ports == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
     engine = container(render_deployment(OWNER, s, DEFAULTS))
     assert engine["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
-    assert engine["args"][engine["args"].index("--port") + 1] == "9000"
+    assert engine_config(s)["serving"]["port"] == 9000
 
 
 def test_rendering_is_deterministic():
@@ -190,31 +264,53 @@ def test_rendering_is_deterministic():
 
 
 def test_engine_overrides():
-    s = spec(engine={"image": "registry.example/ddtree:1", "imagePullPolicy": "Always", "args": ["--seed", "1"],
-                     "env": [{"name": "X", "value": "1"}]})
+    s = spec(
+        engine={
+            "image": "registry.example/ddtree:1",
+            "imagePullPolicy": "Always",
+            "args": ["--seed", "1"],
+            "env": [{"name": "X", "value": "1"}],
+        }
+    )
     engine = container(render_deployment(OWNER, s, DEFAULTS))
     assert (engine["image"], engine["imagePullPolicy"]) == ("registry.example/ddtree:1", "Always")
-    assert engine["args"][-2:] == ["--seed", "1"]
+    assert engine["args"] == ["--config", "/etc/ddtree/engine.yaml", "--seed", "1"]  # flags override the file
     assert {"name": "X", "value": "1"} in engine["env"]
 
 
 def test_tensor_parallel_pods_get_nvlink_multicast_off_unless_the_spec_says_otherwise():
     def env(**overrides):
-        return {e["name"]: e.get("value") for e in container(render_deployment(OWNER, spec(**overrides), DEFAULTS))["env"]}
+        env = container(render_deployment(OWNER, spec(**overrides), DEFAULTS))["env"]
+        return {e["name"]: e.get("value") for e in env}
 
     tp = {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}}
     assert env(**tp)["NCCL_NVLS_ENABLE"] == "0" and env(**tp)["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert "NCCL_NVLS_ENABLE" not in env() and "NCCL_NVLS_ENABLE" not in env(resources={"gpus": 1})
-    names = [e["name"] for e in container(render_deployment(
-        OWNER, spec(**tp, engine={"env": [{"name": "NCCL_NVLS_ENABLE", "value": "1"}]}), DEFAULTS))["env"]]
+    names = [
+        e["name"]
+        for e in container(
+            render_deployment(OWNER, spec(**tp, engine={"env": [{"name": "NCCL_NVLS_ENABLE", "value": "1"}]}), DEFAULTS)
+        )["env"]
+    ]
     assert names.count("NCCL_NVLS_ENABLE") == 1
     assert env(**tp, engine={"env": [{"name": "NCCL_NVLS_ENABLE", "value": "1"}]})["NCCL_NVLS_ENABLE"] == "1"
 
 
-def test_budget_by_batch_size_renders_one_budget_flag_sorted_by_batch():
-    spec = SpeculativeDeploymentSpec.model_validate({**VALID, "speculation": {
-        "batchBuckets": [1, 4, 16, 64], "budgetByBatchSize": [{"maxBatchSize": 16, "budget": 8}, {"maxBatchSize": 64, "budget": 0},
-                                                              {"maxBatchSize": 1, "budget": 32}]}})
-    args = container(render_deployment(OWNER, spec, DEFAULTS))["args"]
+def test_budget_by_batch_size_renders_one_budget_sorted_by_batch():
+    spec = SpeculativeDeploymentSpec.model_validate(
+        {
+            **VALID,
+            "speculation": {
+                "batchBuckets": [1, 4, 16, 64],
+                "budgetByBatchSize": [
+                    {"maxBatchSize": 16, "budget": 8},
+                    {"maxBatchSize": 64, "budget": 0},
+                    {"maxBatchSize": 1, "budget": 32},
+                ],
+            },
+        }
+    )
+    budget = mounted_config(spec)["speculation"]["budget"]
     # budget 0: no drafting from 17 to 64 requests
-    assert args.count("--budget") == 1 and args[args.index("--budget") + 1] == "1:32,16:8,64:0"
+    assert budget == {1: 32, 16: 8, 64: 0} and list(budget) == [1, 16, 64]
+    assert EngineConfig.from_dict(mounted_config(spec)).speculation.budget == {1: 32, 16: 8, 64: 0}
