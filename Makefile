@@ -7,7 +7,14 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 EXTRAS ?= engine,operator,dev
 
-.PHONY: setup test test-fast demo generate cluster-bin lint-chart clean-venv
+.PHONY: setup test test-fast test-slow test-triton-interpreter test-operator lint format demo generate cluster-bin \
+	lint-chart clean-venv
+
+PYTEST := $(PY) -m pytest -q -ra
+# The engine's tests: everything but tests/operator (which needs the local control plane).
+ENGINE_TESTS := --ignore=tests/operator tests
+# What ruff lints and format-checks; mypy's files are in pyproject.toml ([tool.mypy]).
+LINT_PATHS := engine/ddtree operator/ddtree_operator tests benchmarks hack
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml .ci/constraints.txt
 	bash hack/check-disk.sh $(PY) $(EXTRAS)
@@ -23,13 +30,44 @@ setup: $(VENV)/.installed-$(EXTRAS)
 cluster-bin: setup
 	PIP=$(PIP) bash hack/build-test-cluster.sh
 
-# The whole suite: engine, server, training, and the operator against a real control plane.
-test: setup cluster-bin
-	$(PY) -m pytest -q -ra
+# Everything CI checks, in this order, stopping at the first failure: lint and type check, the fast engine
+# tests, the slow ones, the Triton kernels under the interpreter, the operator against a real control plane.
+test: lint test-fast test-slow test-triton-interpreter test-operator
 
-# Engine tests only (no control plane): a quick loop while working on the engine.
+# The order above is the order they run in, also under `make -j`.
+.NOTPARALLEL:
+
+# ruff (lint rules and formatting) and mypy, configured in pyproject.toml. `make format` fixes what only
+# `ruff format --check` finds.
+lint: setup
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff format $(LINT_PATHS)
+	$(VENV)/bin/ruff check --fix $(LINT_PATHS)
+
+# Engine unit tests on tiny random models (no control plane, no real model): the quick loop, under 3
+# minutes on 2 cores. Skips the tests marked slow and the Triton-interpreter ones. One OpenMP thread per
+# process: tiny models gain nothing from more, and threads of concurrent processes (CLI subprocesses,
+# other jobs) spinning on a small machine's shared cores made some tests 20 times slower.
 test-fast: setup
-	$(PY) -m pytest -q -ra --ignore=tests/operator -m "not slow"
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTEST) $(ENGINE_TESTS) -m "not slow and not triton_interpreter"
+
+# Engine tests marked slow: the real SmolLM2-135M model (generation, server, CLI, training, tensor
+# parallel) and the statistical sampling tests.
+test-slow: setup
+	$(PYTEST) $(ENGINE_TESTS) -m "slow and not triton_interpreter"
+
+# The Triton kernels on CPU: TRITON_INTERPRET=1 must be set before triton is imported, so they get a
+# pytest process of their own (conftest.py skips them in any other).
+test-triton-interpreter: setup
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTEST) $(ENGINE_TESTS) -m triton_interpreter
+
+# The operator against a local control plane (its binaries: `make cluster-bin`).
+test-operator: setup cluster-bin
+	$(PYTEST) tests/operator
 
 # The main job: local control plane + operator + examples/smollm2-cpu.yaml + engine, then
 # `kubectl get specdeploy` with Ready, AccLen and Tok/s filled in.

@@ -58,8 +58,9 @@ def best_by_batch(rows: list[dict], method: str) -> dict[int, dict]:
     """The fastest row of `method` at each batch size (for ddtree: over the budgets measured)."""
     best: dict[int, dict] = {}
     for r in rows:
-        if r["method"] == method and (r["batch"] not in best
-                                      or r["tokens_per_second"] > best[r["batch"]]["tokens_per_second"]):
+        if r["method"] == method and (
+            r["batch"] not in best or r["tokens_per_second"] > best[r["batch"]]["tokens_per_second"]
+        ):
             best[r["batch"]] = r
     return dict(sorted(best.items()))
 
@@ -89,14 +90,30 @@ def chart_tokens_by_batch(data: dict, path: Path) -> bool:
         best = best_by_batch(rows, method)
         if not best:
             continue
-        ax.plot(list(best), [r["tokens_per_second"] for r in best.values()], marker="o",
-                color=METHOD_COLOURS[method], label=method + (" (best budget)" if method == "ddtree" else ""))
+        ax.plot(
+            list(best),
+            [r["tokens_per_second"] for r in best.values()],
+            marker="o",
+            color=METHOD_COLOURS[method],
+            label=method + (" (best budget)" if method == "ddtree" else ""),
+        )
         if method == "ddtree":
             for batch, r in best.items():
-                ax.annotate(f"B={r['budget']}", (batch, r["tokens_per_second"]), textcoords="offset points",
-                            xytext=(4, -12), fontsize=8, color=METHOD_COLOURS[method])
-    ax.set(xscale="log", yscale="log", xlabel="batch size (sequences)", ylabel="tokens/s",
-           title="SmolLM2-135M-Instruct + shipped drafter\n" + _subtitle(data, "smollm2"))
+                ax.annotate(
+                    f"B={r['budget']}",
+                    (batch, r["tokens_per_second"]),
+                    textcoords="offset points",
+                    xytext=(4, -12),
+                    fontsize=8,
+                    color=METHOD_COLOURS[method],
+                )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch size (sequences)",
+        ylabel="tokens/s",
+        title="SmolLM2-135M-Instruct + shipped drafter\n" + _subtitle(data, "smollm2"),
+    )
     ax.set_xticks(sorted({r["batch"] for r in rows}), [str(b) for b in sorted({r["batch"] for r in rows})])
     ax.minorticks_off()
     ax.legend()
@@ -116,15 +133,24 @@ def chart_rounds_by_budget(data: dict, path: Path) -> bool:
         colour = colours[i % len(colours)]
         tree = sorted((r for r in rows if r["batch"] == batch and r["method"] == "ddtree"), key=lambda r: r["budget"])
         if tree:
-            ax.plot([r["budget"] for r in tree], [r["ms_per_round"] for r in tree], marker="o", color=colour,
-                    label=f"ddtree, batch {batch}")
+            ax.plot(
+                [r["budget"] for r in tree],
+                [r["ms_per_round"] for r in tree],
+                marker="o",
+                color=colour,
+                label=f"ddtree, batch {batch}",
+            )
         for method, style in (("ar", ":"), ("dflash", "--")):
             ref = [r["ms_per_round"] for r in rows if r["batch"] == batch and r["method"] == method]
             if ref:
                 ax.axhline(ref[0], linestyle=style, color=colour, alpha=0.7, label=f"{method}, batch {batch}")
     budgets = sorted({r["budget"] for r in rows if r["method"] == "ddtree"})
-    ax.set(xscale="log", xlabel="ddtree budget (tree nodes)", ylabel="ms per round",
-           title="Round time, Qwen3-8B shape (random weights)\n" + _subtitle(data, "rounds"))
+    ax.set(
+        xscale="log",
+        xlabel="ddtree budget (tree nodes)",
+        ylabel="ms per round",
+        title="Round time, Qwen3-8B shape (random weights)\n" + _subtitle(data, "rounds"),
+    )
     if budgets:
         ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.minorticks_off()
@@ -140,12 +166,21 @@ def chart_serve(data: dict, path: Path) -> bool:
         return False
     plt, fig, ax = _figure()
     for method, levels in data["serve"].items():
-        ax.plot([r["concurrency"] for r in levels], [r["output_tokens_per_s"] for r in levels], marker="o",
-                color=METHOD_COLOURS[method], label=method)
+        ax.plot(
+            [r["concurrency"] for r in levels],
+            [r["output_tokens_per_s"] for r in levels],
+            marker="o",
+            color=METHOD_COLOURS[method],
+            label=method,
+        )
     clients = sorted({r["concurrency"] for levels in data["serve"].values() for r in levels})
     ax.set_ylim(bottom=0)
-    ax.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s",
-           title="ddtree serve, SmolLM2-135M-Instruct\n" + _subtitle(data, "serve"))
+    ax.set(
+        xscale="log",
+        xlabel="concurrent clients",
+        ylabel="output tokens/s",
+        title="ddtree serve, SmolLM2-135M-Instruct\n" + _subtitle(data, "serve"),
+    )
     ax.set_xticks(clients, [str(c) for c in clients])
     ax.minorticks_off()
     ax.legend()
@@ -164,8 +199,12 @@ def chart_forward(data: dict, path: Path) -> bool:
         widths = sorted(int(t) for t in ms)
         ax.plot(widths, [ms[str(t)] if str(t) in ms else ms[t] for t in widths], marker="o", label=f"{variant} kernels")
     ax.axhline(micro["hbm_bound_ms"], linestyle="--", color="black", label="HBM bound (weights once)")
-    ax.set(xscale="log", xlabel="tokens in the forward (batch 1, 1024 cached)", ylabel="ms",
-           title="One target forward, Qwen3-8B shape\n" + _subtitle(data, "micro"))
+    ax.set(
+        xscale="log",
+        xlabel="tokens in the forward (batch 1, 1024 cached)",
+        ylabel="ms",
+        title="One target forward, Qwen3-8B shape\n" + _subtitle(data, "micro"),
+    )
     ax.set_ylim(bottom=0)
     ax.set_xticks(widths, [str(t) for t in widths])
     ax.minorticks_off()
@@ -196,23 +235,31 @@ def markdown(data: dict) -> str:
     micro = data.get("micro", {}).get("micro")
     if micro:
         for variant, ms in micro["forward_ms"].items():
-            out.append(f"Forward ms ({variant} kernels), bound {micro.get('hbm_bound_ms')} ms at "
-                       f"{micro.get('copy_bandwidth_GBps')} GB/s:")
+            out.append(
+                f"Forward ms ({variant} kernels), bound {micro.get('hbm_bound_ms')} ms at "
+                f"{micro.get('copy_bandwidth_GBps')} GB/s:"
+            )
             out.append(_table(["tokens", *ms], [["ms", *ms.values()]]))
-            out.append(f"decode / HBM bound {micro['decode_over_hbm_bound'].get(variant)}, "
-                       f"verify 33 / decode {micro['verify33_over_decode'].get(variant)}")
+            out.append(
+                f"decode / HBM bound {micro['decode_over_hbm_bound'].get(variant)}, "
+                f"verify 33 / decode {micro['verify33_over_decode'].get(variant)}"
+            )
     capture = data.get("micro", {}).get("capture_all")
     if capture:
         for variant, c in capture.items():
-            out.append(f"capture ({variant}): {c['graphs']} graphs in {c['capture_seconds']} s, "
-                       f"peak {c['peak_memory_GiB']} GiB")
+            out.append(
+                f"capture ({variant}): {c['graphs']} graphs in {c['capture_seconds']} s, "
+                f"peak {c['peak_memory_GiB']} GiB"
+            )
     for part in ("rounds", "smollm2"):
         if part not in data:
             continue
         rows = timed_rows(data[part])
         batches = sorted({r["batch"] for r in rows})
-        configs = sorted({(r["method"], r["budget"]) for r in rows},
-                         key=lambda mb: (["ar", "dflash", "ddtree"].index(mb[0]), mb[1] or 0))
+        configs = sorted(
+            {(r["method"], r["budget"]) for r in rows},
+            key=lambda mb: (["ar", "dflash", "ddtree"].index(mb[0]), mb[1] or 0),
+        )
         by = {(r["method"], r["budget"], r["batch"]): r for r in rows}
         table = []
         for method, budget in configs:
@@ -240,10 +287,24 @@ def markdown(data: dict) -> str:
         table = []
         for method, levels in data["serve"].items():
             for r in levels:
-                table.append([f"`{method}`", r["concurrency"], r["output_tokens_per_s"], r["acceptance_length"],
-                              r["ttft_p50_s"], r["ttft_p99_s"], r["tpot_mean_ms"], r["errors"]])
-        out.append(_table(["method", "clients", "output tokens/s", "acceptance", "TTFT p50 s", "TTFT p99 s",
-                           "TPOT ms", "errors"], table))
+                table.append(
+                    [
+                        f"`{method}`",
+                        r["concurrency"],
+                        r["output_tokens_per_s"],
+                        r["acceptance_length"],
+                        r["ttft_p50_s"],
+                        r["ttft_p99_s"],
+                        r["tpot_mean_ms"],
+                        r["errors"],
+                    ]
+                )
+        out.append(
+            _table(
+                ["method", "clients", "output tokens/s", "acceptance", "TTFT p50 s", "TTFT p99 s", "TPOT ms", "errors"],
+                table,
+            )
+        )
     return "\n\n".join(out) + "\n"
 
 

@@ -1,9 +1,28 @@
+import importlib.util
+import os
+
 import pytest
 import torch
 
 from ddtree.drafter import DrafterConfig, init_drafter
 from ddtree.model import Transformer
 from tiny_models import random_target
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # the real model: seconds to load, and the tests that use it run it for many more
+        if "smollm2" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+        # TRITON_INTERPRET must be set before triton is imported, so only a process started with it runs these
+        if item.get_closest_marker("triton_interpreter"):
+            if not INTERPRETED:
+                item.add_marker(pytest.mark.skip(reason="needs TRITON_INTERPRET=1: make test-triton-interpreter"))
+            elif importlib.util.find_spec("triton") is None:
+                item.add_marker(pytest.mark.skip(reason="triton is not installed"))
 
 
 @pytest.fixture(scope="session")

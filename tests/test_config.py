@@ -31,26 +31,31 @@ def test_defaults():
     assert EngineConfig.from_args(args, FLAGS) == EngineConfig.from_dict({"model": {"id": "m"}})
 
 
-@pytest.mark.parametrize("data,needle", [
-    ({"serving": {"port": 70000}}, "serving.port must be in 0..65535, got 70000"),
-    ({"serving": {"max_batch_size": 0}}, "serving.max_batch_size must be >= 1"),
-    ({"serving": {"max_seq_len": 8}}, "serving.max_seq_len must be >= 16"),
-    ({"serving": {"max_waiting": -1}}, "serving.max_waiting must be >= 0"),
-    ({"serving": {"served_model_name": " "}}, "serving.served_model_name must not be empty"),
-    ({"serving": {"port": "80"}}, "serving.port must be an integer"),
-    ({"speculation": {"method": "beam"}}, "speculation.method must be one of ar, dflash, ddtree"),
-    ({"speculation": {"budget": -1}}, "speculation.budget must be >= 0"),
-    ({"speculation": {"budget": {0: 8}}}, "speculation.budget: batch sizes must be >= 1"),
-    ({"speculation": {"method": "dflash", "budget": {1: 8}}},
-     "a budget per batch size needs speculation.method ddtree (got speculation.method dflash)"),
-    ({"speculation": {"block_size": 1}}, "speculation.block_size must be >= 2"),
-    ({"kernels": {"backend": "cuda"}}, "kernels.backend must be one of auto, torch, triton"),
-    ({"kernels": {"graphs": "yes"}}, "kernels.graphs must be true or false"),
-    ({"kernels": {"batch_buckets": [1, 0]}}, "kernels.batch_buckets must be a non-empty list of positive"),
-    ({"parallel": {"tensor_parallel": 0}}, "parallel.tensor_parallel must be >= 1"),
-    ({"model": {"dtype": "int8"}}, "unknown model.dtype 'int8'"),
-    ({"model": {"id": None}}, "model.id is required"),
-])
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        ({"serving": {"port": 70000}}, "serving.port must be in 0..65535, got 70000"),
+        ({"serving": {"max_batch_size": 0}}, "serving.max_batch_size must be >= 1"),
+        ({"serving": {"max_seq_len": 8}}, "serving.max_seq_len must be >= 16"),
+        ({"serving": {"max_waiting": -1}}, "serving.max_waiting must be >= 0"),
+        ({"serving": {"served_model_name": " "}}, "serving.served_model_name must not be empty"),
+        ({"serving": {"port": "80"}}, "serving.port must be an integer"),
+        ({"speculation": {"method": "beam"}}, "speculation.method must be one of ar, dflash, ddtree"),
+        ({"speculation": {"budget": -1}}, "speculation.budget must be >= 0"),
+        ({"speculation": {"budget": {0: 8}}}, "speculation.budget: batch sizes must be >= 1"),
+        (
+            {"speculation": {"method": "dflash", "budget": {1: 8}}},
+            "a budget per batch size needs speculation.method ddtree (got speculation.method dflash)",
+        ),
+        ({"speculation": {"block_size": 1}}, "speculation.block_size must be >= 2"),
+        ({"kernels": {"backend": "cuda"}}, "kernels.backend must be one of auto, torch, triton"),
+        ({"kernels": {"graphs": "yes"}}, "kernels.graphs must be true or false"),
+        ({"kernels": {"batch_buckets": [1, 0]}}, "kernels.batch_buckets must be a non-empty list of positive"),
+        ({"parallel": {"tensor_parallel": 0}}, "parallel.tensor_parallel must be >= 1"),
+        ({"model": {"dtype": "int8"}}, "unknown model.dtype 'int8'"),
+        ({"model": {"id": None}}, "model.id is required"),
+    ],
+)
 def test_validation_errors_are_one_line_naming_the_field(data, needle):
     data = {**data, "model": {"id": "m", **data.get("model", {})}}
     with pytest.raises(ConfigError) as err:
@@ -65,27 +70,52 @@ def test_unknown_sections_and_keys_are_refused_naming_the_known_ones(tmp_path):
     path.write_text("model: {id: m}\nservng: {port: 1}\n")
     with pytest.raises(ConfigError) as err:
         EngineConfig.from_file(path)
-    assert str(err.value) == (f"unknown section 'servng' in {path} (known: model, speculation, kernels, parallel, "
-                              "serving)")
+    assert str(err.value) == (
+        f"unknown section 'servng' in {path} (known: model, speculation, kernels, parallel, serving)"
+    )
 
 
 def test_file_then_typed_flags_override(tmp_path):
     path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"id": "smollm2-135m-instruct", "dtype": "bfloat16"},
-        "speculation": {"method": "ddtree", "budget": {1: 32, 16: 8}},
-        "kernels": {"graphs": False, "batch_buckets": [1, 2, 4]},
-        "serving": {"port": 9000, "max_batch_size": 16, "max_seq_len": 4096},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"id": "smollm2-135m-instruct", "dtype": "bfloat16"},
+                "speculation": {"method": "ddtree", "budget": {1: 32, 16: 8}},
+                "kernels": {"graphs": False, "batch_buckets": [1, 2, 4]},
+                "serving": {"port": 9000, "max_batch_size": 16, "max_seq_len": 4096},
+            }
+        )
+    )
     only_file = EngineConfig.from_args(parse("serve", "--config", str(path)), FLAGS)
     assert only_file.speculation.budget == {1: 32, 16: 8} and only_file.serving.port == 9000
     assert only_file.kernels.graphs is False and only_file.kernels.batch_buckets == (1, 2, 4)
-    c = EngineConfig.from_args(parse("serve", "--config", str(path), "--port", "0", "--budget", "12",
-                                     "--max-seq-len", "512", "--model", "other", "--tensor-parallel", "1"), FLAGS)
+    c = EngineConfig.from_args(
+        parse(
+            "serve",
+            "--config",
+            str(path),
+            "--port",
+            "0",
+            "--budget",
+            "12",
+            "--max-seq-len",
+            "512",
+            "--model",
+            "other",
+            "--tensor-parallel",
+            "1",
+        ),
+        FLAGS,
+    )
     assert (c.model.id, c.speculation.budget, c.serving.port, c.serving.max_seq_len) == ("other", 12, 0, 512)
     # what was not typed keeps the file's value, then the default
     assert (c.model.dtype, c.serving.max_batch_size, c.kernels.graphs, c.serving.host) == (
-        "bfloat16", 16, False, "127.0.0.1")
+        "bfloat16",
+        16,
+        False,
+        "127.0.0.1",
+    )
     # an error names the flag when the value was typed, the field when it came from the file
     with pytest.raises(ConfigError, match="^--max-batch-size must be >= 1, got 0$"):
         EngineConfig.from_args(parse("serve", "--config", str(path), "--max-batch-size", "0"), FLAGS)
@@ -97,40 +127,67 @@ def test_file_then_typed_flags_override(tmp_path):
 
 
 def test_yaml_and_json_round_trip(tmp_path):
-    c = EngineConfig.from_dict({
-        "model": {"id": "smollm2-135m-instruct", "drafter": "d", "revision": "main", "device": "cpu"},
-        "speculation": {"method": "ddtree", "budget": {1: 32, 16: 8, 64: 0}, "block_size": 16},
-        "kernels": {"backend": "torch", "graphs": False, "batch_buckets": [1, 2, 4, 8]},
-        "parallel": {"tensor_parallel": 3, "replicate_drafter": True},
-        "serving": {"host": "0.0.0.0", "port": 8080, "max_batch_size": 8, "max_seq_len": 1024, "max_waiting": 2,
-                    "served_model_name": "smol", "termination_log": "/tmp/t"},
-    })
+    c = EngineConfig.from_dict(
+        {
+            "model": {"id": "smollm2-135m-instruct", "drafter": "d", "revision": "main", "device": "cpu"},
+            "speculation": {"method": "ddtree", "budget": {1: 32, 16: 8, 64: 0}, "block_size": 16},
+            "kernels": {"backend": "torch", "graphs": False, "batch_buckets": [1, 2, 4, 8]},
+            "parallel": {"tensor_parallel": 3, "replicate_drafter": True},
+            "serving": {
+                "host": "0.0.0.0",
+                "port": 8080,
+                "max_batch_size": 8,
+                "max_seq_len": 1024,
+                "max_waiting": 2,
+                "served_model_name": "smol",
+                "termination_log": "/tmp/t",
+            },
+        }
+    )
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(c.to_dict()))
     (tmp_path / "c.json").write_text(json.dumps(c.to_dict()))  # budget keys become strings in JSON
     assert EngineConfig.from_file(tmp_path / "c.yaml") == c
     assert EngineConfig.from_file(tmp_path / "c.json") == c
     assert yaml.safe_load(yaml.safe_dump(c.to_dict())) == c.to_dict()
     # the flag syntax of a budget works in a file too
-    assert EngineConfig.from_dict({"model": {"id": "m"}, "speculation": {"budget": "1:32,16:8"}}).speculation.budget \
-        == {1: 32, 16: 8}
+    assert EngineConfig.from_dict(
+        {"model": {"id": "m"}, "speculation": {"budget": "1:32,16:8"}}
+    ).speculation.budget == {1: 32, 16: 8}
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "ddtree.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "ddtree.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
 
 
 def test_generate_with_a_config_file_end_to_end(tmp_path):
     path = tmp_path / "generate.yaml"
-    path.write_text("model:\n  id: random:tiny\n  drafter: random:2\n  device: cpu\n"
-                    "speculation:\n  method: ddtree\n  budget: {1: 4, 16: 2}\n")
+    path.write_text(
+        "model:\n  id: random:tiny\n  drafter: random:2\n  device: cpu\n"
+        "speculation:\n  method: ddtree\n  budget: {1: 4, 16: 2}\n"
+    )
     common = ["--prompt", "hello world", "--max-new-tokens", "6", "--json"]
     r = run_cli("generate", "--config", str(path), *common)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert (out["method"], out["budget"], len(out["token_ids"])) == ("ddtree", 4, 6)
-    flags = run_cli("generate", "--model", "random:tiny", "--drafter", "random:2", "--device", "cpu",
-                    "--budget", "1:4,16:2", *common)
+    flags = run_cli(
+        "generate",
+        "--model",
+        "random:tiny",
+        "--drafter",
+        "random:2",
+        "--device",
+        "cpu",
+        "--budget",
+        "1:4,16:2",
+        *common,
+    )
     assert flags.returncode == 0, flags.stderr
     assert json.loads(flags.stdout.strip().splitlines()[-1])["token_ids"] == out["token_ids"]
     r = run_cli("generate", "--config", str(path), "--method", "ar", "--budget", "0", *common)  # flags win
@@ -140,6 +197,7 @@ def test_generate_with_a_config_file_end_to_end(tmp_path):
     bad = run_cli("generate", "--config", str(path), *common)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
-        f"ddtree: error: unknown key 'speculation.methd' in {path} (known in speculation: method, budget, block_size)"]
+        f"ddtree: error: unknown key 'speculation.methd' in {path} (known in speculation: method, budget, block_size)"
+    ]
     missing = run_cli("generate", "--config", str(tmp_path / "nope.yaml"), *common)
     assert missing.returncode == 2 and "cannot read config file" in missing.stderr

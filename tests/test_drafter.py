@@ -6,15 +6,30 @@ import pytest
 import torch
 
 from ddtree.drafter import (
-    DrafterConfig, DrafterMismatchError, default_target_layer_ids, init_drafter, load_drafter, save_drafter,
+    DrafterConfig,
+    DrafterMismatchError,
+    default_target_layer_ids,
+    init_drafter,
+    load_drafter,
+    save_drafter,
 )
 from ddtree.model import ModelConfig
 
 ZLAB_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
-    f"layers.0.{k}.weight" for k in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-        "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-        "post_attention_layernorm")
+    f"layers.0.{k}.weight"
+    for k in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    )
 }
 
 
@@ -44,16 +59,29 @@ def test_round_trip_in_zlab_layout(tiny_target, tmp_path):
     # the loaded drafter computes the same thing
     for d in (drafter, loaded):
         d.setup_caches(1, 32)
-    args = (torch.randn(1, 8, 64), torch.arange(3, 11)[None], torch.arange(3, 11)[None],
-            (torch.arange(16) < 11).expand(1, 1, 8, 16), torch.randn(1, 3, 128), torch.arange(3)[None],
-            torch.arange(3)[None])
+    args = (
+        torch.randn(1, 8, 64),
+        torch.arange(3, 11)[None],
+        torch.arange(3, 11)[None],
+        (torch.arange(16) < 11).expand(1, 1, 8, 16),
+        torch.randn(1, 3, 128),
+        torch.arange(3)[None],
+        torch.arange(3)[None],
+    )
     with torch.no_grad():
         torch.testing.assert_close(drafter(*args), loaded(*args))
 
 
 def test_mismatched_drafter_is_refused(tiny_target, tmp_path):
-    other = ModelConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    other = ModelConfig(
+        vocab_size=500,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     save_drafter(init_drafter(DrafterConfig.for_target(other, target_layer_ids=[1])), tmp_path)
     with pytest.raises(DrafterMismatchError) as err:
         load_drafter(tmp_path, tiny_target.config)

@@ -28,7 +28,9 @@ def test_tree_mask_and_depth_positions_equal_causal_paths(tiny_target):
     with torch.no_grad():
         m(prefix, j[None], j[None], causal(L))
         n = tree.size
-        logits, _ = m(tree.tokens, L + tree.depth, L + torch.arange(n)[None], tree_mask(torch.tensor([L]), tree.visible, L + n))
+        logits, _ = m(
+            tree.tokens, L + tree.depth, L + torch.arange(n)[None], tree_mask(torch.tensor([L]), tree.visible, L + n)
+        )
         for i in range(n):
             path, k = [], i
             while k >= 0:
@@ -46,8 +48,13 @@ def test_walk_follows_target_decisions():
     from ddtree.tree import Tree, ancestor_mask
 
     parents = torch.tensor([[-1, 0, 0, 1, 3]])
-    tree = Tree(torch.tensor([[9, 5, 6, 7, 8]]), parents, torch.tensor([[0, 1, 1, 2, 3]]),
-                torch.ones(1, 5, dtype=torch.bool), ancestor_mask(parents))
+    tree = Tree(
+        torch.tensor([[9, 5, 6, 7, 8]]),
+        parents,
+        torch.tensor([[0, 1, 1, 2, 3]]),
+        torch.ones(1, 5, dtype=torch.bool),
+        ancestor_mask(parents),
+    )
     w = walk(tree, torch.tensor([[5, 7, 0, 1, 0]]), max_depth=4)  # accept 5, 7, then target says 1
     assert w.path[0].tolist() == [0, 1, 3, 3, 3]
     assert w.accepted.tolist() == [3] and w.bonus.tolist() == [1]
@@ -61,8 +68,11 @@ def sequential_walk(tree, decisions, row):
     path, cur = [0], 0
     while True:
         want = decisions[row, cur].item()
-        kids = [i for i in range(tree.size) if tree.valid[row, i] and tree.parents[row, i] == cur
-                and tree.tokens[row, i] == want]
+        kids = [
+            i
+            for i in range(tree.size)
+            if tree.valid[row, i] and tree.parents[row, i] == cur and tree.tokens[row, i] == want
+        ]
         if not kids:
             return path, want
         cur = kids[0]
@@ -93,8 +103,10 @@ def test_vectorised_walk_equals_sequential_walk(seed):
         assert w.emitted[r, : len(path)].tolist() == [tree.tokens[r, i].item() for i in path[1:]] + [bonus]
 
 
-@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 0), ("ddtree", 1), ("ddtree", 4),
-                                           ("ddtree", 15), ("ddtree", 32), ("ddtree", 64)])
+@pytest.mark.parametrize(
+    "method,budget",
+    [("dflash", None), ("ddtree", 0), ("ddtree", 1), ("ddtree", 4), ("ddtree", 15), ("ddtree", 32), ("ddtree", 64)],
+)
 def test_greedy_equals_ar_random_drafter(tiny_target, tiny_drafter, method, budget):
     sp = SamplingParams(max_new_tokens=24)
     ref = Engine(tiny_target, None, "ar", max_batch_size=3, max_seq_len=64).generate(PROMPTS, sp)
@@ -125,7 +137,8 @@ class OracleEngine(Engine):
 
 def reference(tiny_target, n=40):
     return Engine(tiny_target, None, "ar", max_batch_size=3, max_seq_len=96).generate(
-        PROMPTS, SamplingParams(max_new_tokens=n))
+        PROMPTS, SamplingParams(max_new_tokens=n)
+    )
 
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 4), ("ddtree", 32)])
@@ -147,7 +160,9 @@ def test_kv_compaction_over_many_rounds_equals_fresh_prefill(tiny_target, tiny_d
         for i, toks in enumerate(eng.step(3)):
             emitted[i] += toks
     assert min(len(e) for e in emitted) > 12 + 12, "rounds must have accepted several tokens"
-    caches = [(l.self_attn.kv_cache.k.clone(), l.self_attn.kv_cache.v.clone()) for l in tiny_target.model.layers]
+    caches = [
+        (layer.self_attn.kv_cache.k.clone(), layer.self_attn.kv_cache.v.clone()) for layer in tiny_target.model.layers
+    ]
     # committed text in the cache = prompt + all emitted tokens but the last (the pending bonus)
     for i, p in enumerate(PROMPTS):
         text = p + emitted[i][:-1]
@@ -155,8 +170,9 @@ def test_kv_compaction_over_many_rounds_equals_fresh_prefill(tiny_target, tiny_d
         fresh = Engine(tiny_target, None, "ar", max_batch_size=1, max_seq_len=128)
         fresh.add(0, text, SamplingParams(max_new_tokens=1))
         for (k, v), layer in zip(caches, tiny_target.model.layers):
-            torch.testing.assert_close(k[i, :, : len(text)], layer.self_attn.kv_cache.k[0, :, : len(text)], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(v[i, :, : len(text)], layer.self_attn.kv_cache.v[0, :, : len(text)], atol=1e-4, rtol=1e-4)
+            cache, n = layer.self_attn.kv_cache, len(text)
+            torch.testing.assert_close(k[i, :, :n], cache.k[0, :, :n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v[i, :, :n], cache.v[0, :, :n], atol=1e-4, rtol=1e-4)
 
 
 def test_stop_token_and_max_new_tokens_inside_an_accepted_path(tiny_target, tiny_drafter):
@@ -165,8 +181,14 @@ def test_stop_token_and_max_new_tokens_inside_an_accepted_path(tiny_target, tiny
     stop = ref[0].token_ids[12]
     first = ref[0].token_ids.index(stop)
     eng = OracleEngine(tiny_target, tiny_drafter, "ddtree", 32, max_batch_size=3, max_seq_len=96, continuations=full)
-    res = eng.generate(PROMPTS, [SamplingParams(max_new_tokens=40, stop_token_ids=(stop,)),
-                                 SamplingParams(max_new_tokens=7), SamplingParams(max_new_tokens=40)])
+    res = eng.generate(
+        PROMPTS,
+        [
+            SamplingParams(max_new_tokens=40, stop_token_ids=(stop,)),
+            SamplingParams(max_new_tokens=7),
+            SamplingParams(max_new_tokens=40),
+        ],
+    )
     assert res[0].token_ids == ref[0].token_ids[: first + 1] and res[0].finish_reason == "stop"
     assert res[1].token_ids == ref[1].token_ids[:7] and res[1].finish_reason == "length"
     assert res[2].token_ids == ref[2].token_ids, "a finished neighbour must not disturb the others"
@@ -200,8 +222,9 @@ def test_budget_per_batch_size(tiny_target, tiny_drafter):
     stays plain decoding's, with long accepted paths (the oracle drafter)."""
     ref = reference(tiny_target)
     full = [p + r.token_ids for p, r in zip(PROMPTS, ref)]
-    eng = OracleEngine(tiny_target, tiny_drafter, "ddtree", {1: 4, 2: 32, 3: 12}, max_batch_size=3, max_seq_len=96,
-                       continuations=full)
+    eng = OracleEngine(
+        tiny_target, tiny_drafter, "ddtree", {1: 4, 2: 32, 3: 12}, max_batch_size=3, max_seq_len=96, continuations=full
+    )
     assert (eng.budget, eng.tree_size) == (32, 33), "buffers fit the largest budget"
     assert [eng.budget_for(n) for n in (1, 2, 3, 7)] == [4, 32, 12, 12]
     assert [eng.tree_size_for(n) for n in (1, 2, 3)] == [5, 33, 13]
@@ -225,8 +248,12 @@ def test_budget_per_batch_size(tiny_target, tiny_drafter):
 
 def drafter_cache(drafter, slot, n):
     """Keys and values of the first n drafter cache slots of `slot`, every layer."""
-    return torch.stack([torch.stack([layer.self_attn.kv_cache.k[slot, :, :n], layer.self_attn.kv_cache.v[slot, :, :n]])
-                        for layer in drafter.layers])
+    return torch.stack(
+        [
+            torch.stack([layer.self_attn.kv_cache.k[slot, :, :n], layer.self_attn.kv_cache.v[slot, :, :n]])
+            for layer in drafter.layers
+        ]
+    )
 
 
 def test_budget_zero_decodes_without_drafting_and_keeps_the_drafter_context(tiny_target, tiny_drafter):
@@ -237,8 +264,15 @@ def test_budget_zero_decodes_without_drafting_and_keeps_the_drafter_context(tiny
     ref = reference(tiny_target, n=80)[0].token_ids
     params = SamplingParams(max_new_tokens=80)
     # the oracle drafter accepts long paths: a drafting round stages several tokens of context
-    eng = OracleEngine(tiny_target, tiny_drafter, "ddtree", {1: 8, 2: 0}, max_batch_size=2, max_seq_len=96,
-                       continuations=[PROMPTS[0] + ref])
+    eng = OracleEngine(
+        tiny_target,
+        tiny_drafter,
+        "ddtree",
+        {1: 8, 2: 0},
+        max_batch_size=2,
+        max_seq_len=96,
+        continuations=[PROMPTS[0] + ref],
+    )
     assert (eng.budget, eng.tree_size_for(1), eng.tree_size_for(2)) == (8, 9, 1)
     drafts = []
     propose = eng.propose
@@ -264,8 +298,15 @@ def test_drafter_for_another_target_is_refused(tiny_target):
     from ddtree.drafter import DrafterMismatchError
     from ddtree.model import ModelConfig
 
-    other = ModelConfig(vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    other = ModelConfig(
+        vocab_size=99,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     drafter = init_drafter(DrafterConfig.for_target(other, block_size=8))
     with pytest.raises(DrafterMismatchError, match="vocabulary 99 != target's 64"):
         Engine(tiny_target, drafter, "ddtree", 8)

@@ -4,11 +4,11 @@ GPU tests are skipped on CPU; the shape checks and the smoke logic run everywher
 import pytest
 import torch
 
-from tiny_models import random_target
 from ddtree.drafter import DrafterConfig, init_drafter
 from ddtree.engine import Engine, SamplingParams
 from ddtree.graphs import GraphShapeError, RoundGraphs
 from ddtree.smoke import run_smoke
+from tiny_models import random_target
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [5, 4]]

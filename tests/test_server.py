@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+
 from ddtree.metrics import ServerMetrics, read_samples, total
 
 MODEL = "smollm2-135m-instruct"
@@ -65,9 +66,24 @@ class Server:
     def __init__(self, args: list[str], log_path):
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 - open for the life of the process
-        self.proc = subprocess.Popen([sys.executable, "-m", "ddtree.server", "serve", "--model", MODEL,
-                                      "--host", "127.0.0.1", "--port", "0", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=ENV)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ddtree.server",
+                "serve",
+                "--model",
+                MODEL,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
         self.started = time.monotonic()
         deadline = time.monotonic() + 120
         while True:
@@ -123,8 +139,25 @@ def drafter_dir(tmp_path_factory):
 def ddtree_server(drafter_dir, tmp_path_factory):
     """DDTree (budget 8) with 8 slots; the readiness sequence it went through is kept on it."""
     log = tmp_path_factory.mktemp("ddtree-server") / "server.log"
-    server = Server(["--drafter", str(drafter_dir), "--method", "ddtree", "--budget", "8", "--max-batch-size", "8",
-                     "--max-seq-len", "192", "--batch-buckets", "1,2", "--served-model-name", "smol-ddtree"], log)
+    server = Server(
+        [
+            "--drafter",
+            str(drafter_dir),
+            "--method",
+            "ddtree",
+            "--budget",
+            "8",
+            "--max-batch-size",
+            "8",
+            "--max-seq-len",
+            "192",
+            "--batch-buckets",
+            "1,2",
+            "--served-model-name",
+            "smol-ddtree",
+        ],
+        log,
+    )
     try:
         server.readiness = server.wait_ready()
         server.ready_after = time.monotonic() - server.started
@@ -137,8 +170,21 @@ def ddtree_server(drafter_dir, tmp_path_factory):
 def ar_server(tmp_path_factory):
     """Plain decoding with 2 slots and a waiting queue of 1: for disconnects and 429."""
     log = tmp_path_factory.mktemp("ar-server") / "server.log"
-    server = Server(["--method", "ar", "--max-batch-size", "2", "--max-waiting", "1", "--max-seq-len", "512",
-                     "--batch-buckets", "1"], log)
+    server = Server(
+        [
+            "--method",
+            "ar",
+            "--max-batch-size",
+            "2",
+            "--max-waiting",
+            "1",
+            "--max-seq-len",
+            "512",
+            "--batch-buckets",
+            "1",
+        ],
+        log,
+    )
     try:
         server.wait_ready()
         yield server
@@ -151,8 +197,9 @@ def ar_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from ddtree.loading import resolve_model
     from transformers import AutoTokenizer
+
+    from ddtree.loading import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(MODEL))
 
@@ -216,6 +263,7 @@ def run_requests(engine, tokenizer, reqs, max_waiting=4):
             events[i].append(ev)
             if ev.finish_reason or ev.error:
                 done[i].set()
+
         return put
 
     for i, (prompt, params, stop) in enumerate(reqs):
@@ -240,10 +288,12 @@ def test_scheduler_stop_strings_utf8_and_truncation_inside_rounds(tokenizer):
         103: (ids + [7] * 8, [2] * n),  # whole text, then max_tokens
     }
     eng = ScriptedEngine(scripts, max_batch_size=2)
-    reqs = [([100, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)), ["END", "never"]),
-            ([101, 5], SamplingParams(max_new_tokens=10, stop_token_ids=(eos,)), []),
-            ([102, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)), []),
-            ([103, 5], SamplingParams(max_new_tokens=n, stop_token_ids=(eos,)), ["xyz"])]
+    reqs = [
+        ([100, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)), ["END", "never"]),
+        ([101, 5], SamplingParams(max_new_tokens=10, stop_token_ids=(eos,)), []),
+        ([102, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)), []),
+        ([103, 5], SamplingParams(max_new_tokens=n, stop_token_ids=(eos,)), ["xyz"]),
+    ]
     events, samples = run_requests(eng, tokenizer, reqs)
     texts = ["".join(e.text for e in evs) for evs in events]
     for evs in events:  # text arrives in pieces, every piece valid UTF-8 text, the last one finishes
@@ -261,7 +311,8 @@ def test_scheduler_stop_strings_utf8_and_truncation_inside_rounds(tokenizer):
     assert drafts == total(samples, "ddtree_acceptance_length_count") > 0
     assert total(samples, "ddtree_spec_decode_num_draft_tokens_total") == 4 * drafts
     assert total(samples, "ddtree_acceptance_length_sum") == drafts + total(
-        samples, "ddtree_spec_decode_num_accepted_tokens_total")
+        samples, "ddtree_spec_decode_num_accepted_tokens_total"
+    )
     assert total(samples, "ddtree_generation_tokens_total") == sum(evs[-1].completion_tokens for evs in events)
     assert total(samples, "ddtree_prompt_tokens_total") == 8
     assert len(eng.released) == 4
@@ -332,8 +383,14 @@ def test_scheduler_survives_a_failed_round_and_reports_a_dead_engine(tokenizer):
 
     def run_one():
         got, done = [], threading.Event()
-        sched.submit(Request([300], SamplingParams(max_new_tokens=5), None,
-                             lambda ev: (got.append(ev), (ev.error or ev.finish_reason) and done.set())))
+        sched.submit(
+            Request(
+                [300],
+                SamplingParams(max_new_tokens=5),
+                None,
+                lambda ev: (got.append(ev), (ev.error or ev.finish_reason) and done.set()),
+            )
+        )
         assert done.wait(10)
         return got[-1]
 
@@ -368,14 +425,33 @@ def test_ready_is_503_until_the_smoke_test_passed_then_200_with_the_report(ddtre
 @pytest.mark.slow
 def test_forced_smoke_failure_exits_nonzero_with_the_reason_in_the_termination_log(tmp_path):
     term = tmp_path / "termination-log"
-    server = Server(["--method", "ar", "--max-batch-size", "2", "--max-seq-len", "128", "--batch-buckets", "1",
-                     "--smoke-fault", "corrupt-graph-input", "--termination-log", str(term)], tmp_path / "log")
+    server = Server(
+        [
+            "--method",
+            "ar",
+            "--max-batch-size",
+            "2",
+            "--max-seq-len",
+            "128",
+            "--batch-buckets",
+            "1",
+            "--smoke-fault",
+            "corrupt-graph-input",
+            "--termination-log",
+            str(term),
+        ],
+        tmp_path / "log",
+    )
     try:
         seen = []
         while server.proc.poll() is None and len(seen) < 3:
             try:
-                seen.append((http("GET", server.url + "/health", timeout=5)[0],
-                             http("GET", server.url + "/ready", timeout=5)[0]))
+                seen.append(
+                    (
+                        http("GET", server.url + "/health", timeout=5)[0],
+                        http("GET", server.url + "/ready", timeout=5)[0],
+                    )
+                )
             except (urllib.error.URLError, ConnectionError):
                 break
         code = server.proc.wait(300)
@@ -397,7 +473,10 @@ def test_bad_flags_are_usage_errors(capsys):
         (["serve", "--model", MODEL, "--method", "ar", "--batch-buckets", "1,16"], "exceed --max-batch-size"),
         (["serve", "--model", MODEL, "--method", "ar", "--batch-buckets", "a,b"], "comma-separated"),
         (["serve", "--model", MODEL, "--method", "ar", "--budget", "-1"], "--budget"),
-        (["serve", "--model", MODEL, "--method", "ar", "--budget", "1:32,16:8"], "a budget per batch size needs --method ddtree"),
+        (
+            ["serve", "--model", MODEL, "--method", "ar", "--budget", "1:32,16:8"],
+            "a budget per batch size needs --method ddtree",
+        ),
         (["serve", "--model", MODEL, "--method", "ddtree", "--budget", "16:"], "BATCH:BUDGET pairs"),
         (["serve", "--model", MODEL, "--method", "beam"], "invalid choice"),
         (["serve", "--model", MODEL, "--method", "ar", "--smoke-fault", "nope"], "invalid choice"),
@@ -450,14 +529,16 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(ddtree_server
         assert_openai_error(status, resp, code, needle)
     assert_openai_error(*http("GET", url + "/v1/nothing"), 404, "not found")
     assert_openai_error(*http("GET", url + "/v1/completions"), 405)
-    status, resp = http("POST", url + "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "budget": 8,
-                                                          "temperature": 0})
+    status, resp = http(
+        "POST", url + "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "budget": 8, "temperature": 0}
+    )
     assert status == 200 and resp["usage"]["completion_tokens"] == 2
     after = metrics(url)
     for code in (400, 404):
         want = sum(1 for p, _, c, _ in BAD_REQUESTS if c == code)
-        got = total(after, "ddtree_requests_total", status=str(code)) - total(before, "ddtree_requests_total",
-                                                                                status=str(code))
+        got = total(after, "ddtree_requests_total", status=str(code)) - total(
+            before, "ddtree_requests_total", status=str(code)
+        )
         assert got == want, code
 
 
@@ -476,12 +557,14 @@ def test_official_openai_client_completions_chat_and_streaming(ddtree_server):
     models = [m.id for m in client.models.list()]
     assert models == ["smol-ddtree"]
 
-    c = client.completions.create(model="smol-ddtree", prompt="The capital of France is", max_tokens=6,
-                                  temperature=0)
+    c = client.completions.create(model="smol-ddtree", prompt="The capital of France is", max_tokens=6, temperature=0)
     assert c.choices[0].finish_reason == "length" and "Paris" in c.choices[0].text
     assert c.usage.completion_tokens == 6 and c.usage.prompt_tokens > 0
-    streamed = list(client.completions.create(model="smol-ddtree", prompt="The capital of France is", max_tokens=6,
-                                              temperature=0, stream=True))
+    streamed = list(
+        client.completions.create(
+            model="smol-ddtree", prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+        )
+    )
     assert "".join(ch.choices[0].text for ch in streamed) == c.choices[0].text
     assert streamed[-1].choices[0].finish_reason == "length"
 
@@ -489,9 +572,16 @@ def test_official_openai_client_completions_chat_and_streaming(ddtree_server):
     chat = client.chat.completions.create(model="smol-ddtree", messages=messages, max_tokens=12, temperature=0)
     answer = chat.choices[0].message.content
     assert chat.choices[0].message.role == "assistant" and "4" in answer
-    chunks = list(client.chat.completions.create(model="smol-ddtree", messages=messages, max_tokens=12,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="smol-ddtree",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == answer
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
@@ -499,13 +589,16 @@ def test_official_openai_client_completions_chat_and_streaming(ddtree_server):
 
     # stop strings cut the text (the stop string itself excluded); "seed" and sampling are accepted
     full = c.choices[0].text
-    cut = client.completions.create(model="smol-ddtree", prompt="The capital of France is", max_tokens=6,
-                                    temperature=0, stop=["aris"])
+    cut = client.completions.create(
+        model="smol-ddtree", prompt="The capital of France is", max_tokens=6, temperature=0, stop=["aris"]
+    )
     assert cut.choices[0].text == full[: full.index("aris")] and cut.choices[0].finish_reason == "stop"
-    sampled = client.completions.create(model="smol-ddtree", prompt="Once upon a time", max_tokens=4,
-                                        temperature=0.8, top_p=0.9, seed=1)
-    again = client.completions.create(model="smol-ddtree", prompt="Once upon a time", max_tokens=4,
-                                      temperature=0.8, top_p=0.9, seed=1)
+    sampled = client.completions.create(
+        model="smol-ddtree", prompt="Once upon a time", max_tokens=4, temperature=0.8, top_p=0.9, seed=1
+    )
+    again = client.completions.create(
+        model="smol-ddtree", prompt="Once upon a time", max_tokens=4, temperature=0.8, top_p=0.9, seed=1
+    )
     assert sampled.choices[0].text == again.choices[0].text, "a seeded request alone is reproducible"
 
     with pytest.raises(openai.NotFoundError):
@@ -516,7 +609,7 @@ def test_official_openai_client_completions_chat_and_streaming(ddtree_server):
 
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Here is a short list of three colours:\n1.",
     "Once upon a time, in a small village by the sea, there lived",
     "import numpy as np\n\nx = np.",
@@ -542,14 +635,14 @@ def test_32_concurrent_clients_match_sequential_greedy_and_counters_add_up(ddtre
     # the same prompts one at a time
     reference = {}
     for p in PROMPTS:
-        status, body = http("POST", url + "/v1/completions", {"prompt": p, "max_tokens": max_tokens,
-                                                              "temperature": 0})
+        status, body = http("POST", url + "/v1/completions", {"prompt": p, "max_tokens": max_tokens, "temperature": 0})
         assert status == 200, body
         reference[p] = body["choices"][0]["text"]
     before = metrics(url)
 
     async def load():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+
             async def client(i):
                 out = []
                 for k in range(4):
@@ -606,18 +699,35 @@ def test_32_concurrent_clients_match_sequential_greedy_and_counters_add_up(ddtre
     print(f"\n32x4 requests: {elapsed:.1f}s, {rounds:.0f} rounds, mean batch {drafts / rounds:.1f}")
 
 
+@pytest.mark.slow
 def test_budget_zero_above_one_request_keeps_greedy_output(drafter_dir, tmp_path):
     """`--budget 1:8,2:0`: a request running alone is drafted for, several at once decode plainly
     (budget 0), and each request's text is the one it gets alone, whichever rounds it went through."""
-    server = Server(["--drafter", str(drafter_dir), "--method", "ddtree", "--budget", "1:8,2:0",
-                     "--max-batch-size", "4", "--max-seq-len", "192", "--batch-buckets", "1,2,4"], tmp_path / "server.log")
+    server = Server(
+        [
+            "--drafter",
+            str(drafter_dir),
+            "--method",
+            "ddtree",
+            "--budget",
+            "1:8,2:0",
+            "--max-batch-size",
+            "4",
+            "--max-seq-len",
+            "192",
+            "--batch-buckets",
+            "1,2,4",
+        ],
+        tmp_path / "server.log",
+    )
     try:
         server.wait_ready()
         prompts = PROMPTS[:4]
 
         def complete(p):
-            status, body = http("POST", server.url + "/v1/completions",
-                                {"prompt": p, "max_tokens": 12, "temperature": 0})
+            status, body = http(
+                "POST", server.url + "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0}
+            )
             assert status == 200, body
             return body["choices"][0]["text"]
 
@@ -662,11 +772,14 @@ def test_bench_serve_load_generator(ddtree_server):
 def _open_stream(url: str, max_tokens: int = 400, stream: bool = True) -> socket.socket:
     """Start a long completion on a raw socket; for a stream, wait for its first token. Returns the socket."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": max_tokens,
-                       "temperature": 0, "stream": stream}).encode()
+    body = json.dumps(
+        {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    ).encode()
     s = socket.create_connection((host, int(port)), timeout=120)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     if not stream:
         return s
     buf = b""
@@ -695,9 +808,11 @@ def test_queue_bound_gives_429_and_disconnected_clients_free_their_slots(ar_serv
     a, b = _open_stream(url), _open_stream(url)  # both slots busy
     _wait_metric(url, "ddtree_requests_running", 2)
     result = {}
-    waiter = threading.Thread(target=lambda: result.update(r=http("POST", url + "/v1/completions",
-                                                                     {"prompt": "Hi", "max_tokens": 3,
-                                                                      "temperature": 0})))
+    waiter = threading.Thread(
+        target=lambda: result.update(
+            r=http("POST", url + "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "temperature": 0})
+        )
+    )
     waiter.start()
     _wait_metric(url, "ddtree_requests_waiting", 1)
     status, body = http("POST", url + "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
@@ -719,16 +834,20 @@ def test_queue_bound_gives_429_and_disconnected_clients_free_their_slots(ar_serv
     _wait_metric(url, "ddtree_requests_total", base_499 + 3, status="499")
     assert total(metrics(url), "ddtree_kv_cache_usage_ratio") == 0
     # the freed slots really are free: a full-length request completes normally
-    status, body = http("POST", url + "/v1/chat/completions",
-                        {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0})
+    status, body = http(
+        "POST",
+        url + "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0},
+    )
     assert status == 200 and body["object"] == "chat.completion"
 
 
 @pytest.mark.slow
 def test_requests_before_ready_get_503(tmp_path):
     """While loading, /v1 endpoints answer 503 with an OpenAI error body (and /health 200)."""
-    server = Server(["--method", "ar", "--max-batch-size", "1", "--max-seq-len", "64", "--batch-buckets", "1"],
-                    tmp_path / "log")
+    server = Server(
+        ["--method", "ar", "--max-batch-size", "1", "--max-seq-len", "64", "--batch-buckets", "1"], tmp_path / "log"
+    )
     try:
         status, body = http("POST", server.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         if http("GET", server.url + "/ready")[0] == 503:  # still loading after the call (it always is on CPU)

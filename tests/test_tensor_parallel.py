@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 import torch
 import torch.distributed as dist
+
 from ddtree.drafter import DrafterConfig, init_drafter
 from ddtree.engine import Engine, SamplingParams
 from ddtree.parallel import Leader, check_divisible, command_group, follow, launch, shard, split
@@ -54,12 +55,30 @@ def test_tp2_equals_tp1_on_a_tiny_model(replicate_drafter):
     assert launch(2, tiny_rank, replicate_drafter) == expected
 
 
+@pytest.mark.slow  # four CLI runs, two of them two processes: about 25 s on 2 cores
 def test_generate_on_a_random_model_is_the_same_split_or_not():
     """`ddtree generate --model random:tiny --drafter random:2` (cost runs need no checkpoint): TP 2, with
     the drafter split or replicated, emits the unsplit tokens; --replicate-drafter alone is refused."""
+
     def run(*flags):
-        cmd = [sys.executable, "-m", "ddtree.cli", "generate", "--model", "random:tiny", "--drafter", "random:2",
-               "--prompt", "hello world", "--max-new-tokens", "12", "--json", "--device", "cpu", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ddtree.cli",
+            "generate",
+            "--model",
+            "random:tiny",
+            "--drafter",
+            "random:2",
+            "--prompt",
+            "hello world",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--device",
+            "cpu",
+            *flags,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
     one = run()
@@ -140,10 +159,14 @@ def test_tp3_equals_tp1_on_smollm2(smollm2):
     assert launch(3, smollm2_rank, str(folder), prompts) == expected
 
 
+@pytest.mark.slow
 def test_a_split_that_does_not_divide_the_model_is_refused(smollm2):
     model = smollm2[0]
-    with pytest.raises(ValueError, match=r"tensor parallel 2 does not divide the model: 9 attention heads, "
-                                         r"3 KV heads \(each must be a multiple of 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor parallel 2 does not divide the model: 9 attention heads, "
+        r"3 KV heads \(each must be a multiple of 2\)",
+    ):
         check_divisible(model.config, 2)
     with pytest.raises(ValueError, match="5 attention heads"):
         shard(random_target(hidden=80, heads=5, kv_heads=5), 0, 2)
@@ -219,21 +242,37 @@ def test_followers_replay_rank0_calls_in_step_and_greedy_equals_tp1():
     steps = [result for name, result in follower if name == "step"]
     firsts = [result for name, result in follower if name == "add"]
     assert steps == out["steps"] and firsts == out["first"], "a follower sampled or walked differently"
-    assert [name for name, _ in follower] == ["add", "step", "release", "add", "add", "step", "step", "step",
-                                              "release", "step", "step"]  # the refused add raised on both
+    assert [name for name, _ in follower] == [
+        "add",
+        "step",
+        "release",
+        "add",
+        "add",
+        "step",
+        "step",
+        "step",
+        "release",
+        "step",
+        "step",
+    ]  # the refused add raised on both
     greedy = [[s[0] for s in out["steps"][1:4]], [s[2] for s in out["steps"][1:]]]
     assert greedy == [[s[0] for s in expected["steps"][1:4]], [s[2] for s in expected["steps"][1:]]]
     assert out["first"][::2] == expected["first"][::2]
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_split_that_does_not_divide_the_model(smollm2, capsys, monkeypatch):
     from ddtree.server import main
 
     base = ["serve", "--model", "smollm2-135m-instruct", "--method", "ar", "--device", "cpu"]
     assert main([*base, "--tensor-parallel", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [("ddtree: error: tensor parallel 2 does not divide the model: 9 attention heads, 3 KV heads "
-                    "(each must be a multiple of 2)")]
+    assert err == [
+        (
+            "ddtree: error: tensor parallel 2 does not divide the model: 9 attention heads, 3 KV heads "
+            "(each must be a multiple of 2)"
+        )
+    ]
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert main([*base, "--tensor-parallel", "2"]) == 2
     assert "differs from torchrun's WORLD_SIZE 3" in capsys.readouterr().err
@@ -243,14 +282,35 @@ def test_serve_refuses_a_split_that_does_not_divide_the_model(smollm2, capsys, m
 
 
 SERVE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-SERVE_PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
-                 "Three reasons to learn Python:"]
+SERVE_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village,",
+    "Three reasons to learn Python:",
+]
 
 
 def start_server(*args, log):
-    proc = subprocess.Popen([sys.executable, "-m", "ddtree.server", "serve", "--model", "smollm2-135m-instruct",
-                             "--device", "cpu", "--host", "127.0.0.1", "--port", "0", *args],
-                            stdout=log, stderr=subprocess.STDOUT, env=SERVE_ENV)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddtree.server",
+            "serve",
+            "--model",
+            "smollm2-135m-instruct",
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=SERVE_ENV,
+    )
     return proc
 
 
@@ -310,10 +370,12 @@ def reference_texts(smollm2, prompts, max_tokens):
     events = [[] for _ in prompts]
     done = [threading.Event() for _ in prompts]
     for i, p in enumerate(prompts):
+
         def sink(ev, i=i):
             events[i].append(ev)
             if ev.finish_reason or ev.error:
                 done[i].set()
+
         params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=stop_ids(tok, model))
         sched.submit(Request(tok.encode(p), params, [], sink))
     assert all(d.wait(300) for d in done)
@@ -329,8 +391,9 @@ def test_serve_tp3_answers_like_tp1_and_sigterm_ends_every_rank(smollm2, tmp_pat
     expected = reference_texts(smollm2, SERVE_PROMPTS, max_tokens)
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
-        proc = start_server("--tensor-parallel", "3", "--max-batch-size", "4", "--max-seq-len", "256",
-                            "--batch-buckets", "1", log=log)
+        proc = start_server(
+            "--tensor-parallel", "3", "--max-batch-size", "4", "--max-seq-len", "256", "--batch-buckets", "1", log=log
+        )
 
     def output():
         return log_path.read_text()[-6000:]
@@ -377,7 +440,9 @@ def test_serve_tp3_answers_like_tp1_and_sigterm_ends_every_rank(smollm2, tmp_pat
             t.join(600)
         assert got == expected
         after = scrape()
-        drafts = total(after, "ddtree_spec_decode_num_drafts_total") - total(before, "ddtree_spec_decode_num_drafts_total")
+        drafts = total(after, "ddtree_spec_decode_num_drafts_total") - total(
+            before, "ddtree_spec_decode_num_drafts_total"
+        )
         rounds = total(after, "ddtree_engine_step_seconds_count") - total(before, "ddtree_engine_step_seconds_count")
         assert drafts > rounds > 0, "the concurrent requests must have shared rounds"
         assert total(after, "ddtree_requests_total", status="200") == 6
@@ -399,8 +464,9 @@ def test_serve_tp3_answers_like_tp1_and_sigterm_ends_every_rank(smollm2, tmp_pat
 @pytest.mark.slow
 def test_followers_die_with_a_killed_rank0(tmp_path):
     with open(tmp_path / "server.log", "w") as log:
-        proc = start_server("--method", "ar", "--tensor-parallel", "3", "--max-batch-size", "1",
-                            "--max-seq-len", "64", log=log)
+        proc = start_server(
+            "--method", "ar", "--tensor-parallel", "3", "--max-batch-size", "1", "--max-seq-len", "64", log=log
+        )
     deadline = time.monotonic() + 120
     while len(followers := [p for p in children(proc.pid) if running(p)]) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+
 from ddtree.data import (
     ByteTokenizer,
     TokenData,
@@ -47,9 +48,18 @@ def other_target(vocab: int) -> Transformer:
     """A tiny random target of another vocabulary (no `from conftest import`: tests/operator has a
     conftest.py of its own, and the two would shadow each other)."""
     torch.manual_seed(1)
-    model = Transformer(ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    tie_word_embeddings=True))
+    model = Transformer(
+        ModelConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+        )
+    )
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -58,8 +68,18 @@ def other_target(vocab: int) -> Transformer:
 
 
 def small_cfg(**kw) -> TrainConfig:
-    base = {"layers": 1, "block_size": 8, "batch_size": 8, "anchors_per_seq": 8, "steps": 30, "lr": 3e-3,
-            "eval_every": 0, "log_every": 5, "save_every": 0, "final_eval_prompts": 0}
+    base = {
+        "layers": 1,
+        "block_size": 8,
+        "batch_size": 8,
+        "anchors_per_seq": 8,
+        "steps": 30,
+        "lr": 3e-3,
+        "eval_every": 0,
+        "log_every": 5,
+        "save_every": 0,
+        "final_eval_prompts": 0,
+    }
     return TrainConfig(**{**base, **kw})
 
 
@@ -71,8 +91,18 @@ def target(tiny_target):
 @pytest.fixture(scope="module")
 def data(target, tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "data.safetensors"
-    return make_data(target, path, num_prompts=24, prompt_tokens=32, continuation_tokens=40,
-                     held_out_fraction=0.25, sources=FILES, batch_size=12, seed=0, progress=False), path
+    return make_data(
+        target,
+        path,
+        num_prompts=24,
+        prompt_tokens=32,
+        continuation_tokens=40,
+        held_out_fraction=0.25,
+        sources=FILES,
+        batch_size=12,
+        seed=0,
+        progress=False,
+    ), path
 
 
 @pytest.fixture(scope="module")
@@ -232,11 +262,11 @@ def test_resume_reproduces_an_uninterrupted_run(target, data, tmp_path):
     part = train_drafter(target, data[0], tmp_path / "part", cfg, progress=False, until_step=3)
     assert part.stopped == "until" and part.step == 3
     assert json.loads((find_checkpoint(tmp_path / "part") / "trainer_state.json").read_text())["step"] == 3
-    rest = train_drafter(target, data[0], tmp_path / "part", cfg, resume=tmp_path / "part", progress=False,
-                         final_eval=False)
+    rest = train_drafter(
+        target, data[0], tmp_path / "part", cfg, resume=tmp_path / "part", progress=False, final_eval=False
+    )
     assert rest.step == 6
-    torch.testing.assert_close(torch.tensor(part.losses + rest.losses), torch.tensor(full.losses), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(torch.tensor(part.losses + rest.losses), torch.tensor(full.losses), rtol=1e-5, atol=1e-6)
     a = load_drafter(tmp_path / "full" / "checkpoint").state_dict()
     b = load_drafter(tmp_path / "part" / "checkpoint").state_dict()
     for k in a:
@@ -244,15 +274,23 @@ def test_resume_reproduces_an_uninterrupted_run(target, data, tmp_path):
 
 
 def test_mismatched_drafter_or_data_is_refused(target, data, tmp_path):
-    other = ModelConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    other = ModelConfig(
+        vocab_size=500,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     save_drafter(init_drafter(DrafterConfig.for_target(other, target_layer_ids=[1])), tmp_path / "other")
     with pytest.raises(DrafterMismatchError, match="vocabulary 500 != target's 64"):
         train_drafter(target, data[0], tmp_path / "o1", small_cfg(steps=1), init=tmp_path / "other", progress=False)
     # a checkpoint made for another target
     big = other_target(vocab=80)
-    small = TokenData.from_sequences([[1, 2, 3, 4, 5, 6]] * 4, [2] * 4, [False, False, False, True], [0] * 4,
-                                     {"vocab_size": 80})
+    small = TokenData.from_sequences(
+        [[1, 2, 3, 4, 5, 6]] * 4, [2] * 4, [False, False, False, True], [0] * 4, {"vocab_size": 80}
+    )
     train_drafter(big, small, tmp_path / "big", small_cfg(steps=1, batch_size=2), progress=False, final_eval=False)
     with pytest.raises(DrafterMismatchError, match="vocabulary 80 != target's 64"):
         train_drafter(target, data[0], tmp_path / "big", resume=tmp_path / "big", progress=False)
@@ -269,12 +307,25 @@ def _tiny_hf_folder(target, folder):
 
     c = target.config
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "tie_word_embeddings": True, "eos_token_id": 1}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "num_hidden_layers": c.num_hidden_layers,
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_key_value_heads,
+                "head_dim": c.head_dim,
+                "rms_norm_eps": c.rms_norm_eps,
+                "rope_theta": c.rope_theta,
+                "tie_word_embeddings": True,
+                "eos_token_id": 1,
+            }
+        )
+    )
     state = {k: v.contiguous() for k, v in target.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(folder / "model.safetensors"))
     chars = "\n abcdefghijklmnopqrstuvwxyz0123456789()[]:=.,_'\"#+-*/<>"
@@ -298,13 +349,59 @@ def test_cli_make_data_train_and_resume(target, tmp_path, capsys):
         return args.func(args)
 
     base = ["--target", str(folder), "--device", "cpu"]
-    assert run("make-data", *base, "--out", str(tmp_path / "d"), "--num-prompts", "12", "--prompt-tokens", "24",
-               "--continuation-tokens", "24", "--held-out", "0.25", "--batch-size", "6",
-               "--source", FILES[0], "--source", FILES[4], "--source", FILES[10]) == 0
+    assert (
+        run(
+            "make-data",
+            *base,
+            "--out",
+            str(tmp_path / "d"),
+            "--num-prompts",
+            "12",
+            "--prompt-tokens",
+            "24",
+            "--continuation-tokens",
+            "24",
+            "--held-out",
+            "0.25",
+            "--batch-size",
+            "6",
+            "--source",
+            FILES[0],
+            "--source",
+            FILES[4],
+            "--source",
+            FILES[10],
+        )
+        == 0
+    )
     assert (tmp_path / "d" / "data.safetensors").is_file()
-    train = ["train-drafter", *base, "--out", str(tmp_path / "dr"), "--data", str(tmp_path / "d"), "--layers", "1",
-             "--block-size", "4", "--batch-size", "4", "--anchors-per-seq", "4", "--steps", "4", "--no-progress",
-             "--final-eval-prompts", "2", "--final-eval-tokens", "8", "--final-eval-budget", "4", "--taps", "1,2"]
+    train = [
+        "train-drafter",
+        *base,
+        "--out",
+        str(tmp_path / "dr"),
+        "--data",
+        str(tmp_path / "d"),
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--batch-size",
+        "4",
+        "--anchors-per-seq",
+        "4",
+        "--steps",
+        "4",
+        "--no-progress",
+        "--final-eval-prompts",
+        "2",
+        "--final-eval-tokens",
+        "8",
+        "--final-eval-budget",
+        "4",
+        "--taps",
+        "1,2",
+    ]
     assert run(*train) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["step"] == 4 and summary["acceptance"]["ddtree_b4"]["same_as_ar"] == 1.0
@@ -317,17 +414,29 @@ def test_cli_make_data_train_and_resume(target, tmp_path, capsys):
     no_data = [a for i, a in enumerate(train[:-8]) if a != "--data" and train[i - 1] != "--data"]
     assert run(*no_data, "--final-eval-prompts", "0", "--resume", str(tmp_path / "dr")) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 6
-    for bad, needle in [(["--block-size", "1"], "--block-size"), (["--resume", "x", "--init", "y"], "exclude"),
-                        (["--taps", "1,9"], "outside the target"), (["--taps", "a"], "integers"),
-                        (["--init-from-target", "1,2,3"], "needs 2 target layer"),
-                        (["--init-from-target", "--resume", "x"], "excludes")]:
+    for bad, needle in [
+        (["--block-size", "1"], "--block-size"),
+        (["--resume", "x", "--init", "y"], "exclude"),
+        (["--taps", "1,9"], "outside the target"),
+        (["--taps", "a"], "integers"),
+        (["--init-from-target", "1,2,3"], "needs 2 target layer"),
+        (["--init-from-target", "--resume", "x"], "excludes"),
+    ]:
         with pytest.raises(UsageError, match=needle):
             run("train-drafter", *base, "--out", str(tmp_path / "e"), "--data", str(tmp_path / "d"), *bad)
     with pytest.raises(UsageError, match="make-data"):
         run("train-drafter", *base, "--out", str(tmp_path / "e"), "--data", str(tmp_path / "nodata"))
     with pytest.raises(UsageError, match="no training checkpoint"):
-        run("train-drafter", *base, "--out", str(tmp_path / "e"), "--data", str(tmp_path / "d"),
-            "--resume", str(tmp_path / "nowhere"))
+        run(
+            "train-drafter",
+            *base,
+            "--out",
+            str(tmp_path / "e"),
+            "--data",
+            str(tmp_path / "d"),
+            "--resume",
+            str(tmp_path / "nowhere"),
+        )
     with pytest.raises(UsageError, match="corpus source"):
         run("make-data", *base, "--out", str(tmp_path / "e"), "--source", str(tmp_path / "nowhere"))
 
@@ -344,8 +453,15 @@ def test_cuda_graph_generation_and_bf16_training(target, data, tmp_path):
     eager = generate_continuations(gpu, prompts, 24, (3,), batch_size=3, progress=False, cuda_graphs=False)
     graphed = generate_continuations(gpu, prompts, 24, (3,), batch_size=3, progress=False, cuda_graphs=True)
     assert graphed == eager
-    res = train_drafter(gpu.to(torch.bfloat16), data[0], tmp_path / "gpu", small_cfg(steps=30), device="cuda",
-                        progress=False, final_eval=False)
+    res = train_drafter(
+        gpu.to(torch.bfloat16),
+        data[0],
+        tmp_path / "gpu",
+        small_cfg(steps=30),
+        device="cuda",
+        progress=False,
+        final_eval=False,
+    )
     assert sum(res.losses[-5:]) < 0.6 * sum(res.losses[:5])
     assert load_drafter(tmp_path / "gpu", target.config).fc.weight.dtype == torch.bfloat16
 
@@ -355,11 +471,32 @@ def test_smollm2_one_layer_drafter_trains(smollm2, tmp_path):
     """~30 CPU steps of a 1-layer drafter on SmolLM2 self-distilled data: loss goes down, the saved
     drafter is lossless in the engine."""
     model, tok, _ = smollm2
-    data = make_data(model, tmp_path / "data.safetensors", tokenizer=tok, num_prompts=16, prompt_tokens=48,
-                     continuation_tokens=40, held_out_fraction=0.25, batch_size=16, progress=False,
-                     sources=[str(p) for p in stdlib_files()[:40]])
-    cfg = TrainConfig(layers=1, block_size=16, batch_size=4, anchors_per_seq=8, steps=30, lr=1e-3, eval_every=0,
-                      save_every=0, log_every=5, final_eval_prompts=2, final_eval_tokens=24, final_eval_budget=16)
+    data = make_data(
+        model,
+        tmp_path / "data.safetensors",
+        tokenizer=tok,
+        num_prompts=16,
+        prompt_tokens=48,
+        continuation_tokens=40,
+        held_out_fraction=0.25,
+        batch_size=16,
+        progress=False,
+        sources=[str(p) for p in stdlib_files()[:40]],
+    )
+    cfg = TrainConfig(
+        layers=1,
+        block_size=16,
+        batch_size=4,
+        anchors_per_seq=8,
+        steps=30,
+        lr=1e-3,
+        eval_every=0,
+        save_every=0,
+        log_every=5,
+        final_eval_prompts=2,
+        final_eval_tokens=24,
+        final_eval_budget=16,
+    )
     res = train_drafter(model, data, tmp_path / "out", cfg, progress=False)
     first, last = sum(res.losses[:5]) / 5, sum(res.losses[-5:]) / 5
     assert last < 0.8 * first, (first, last)

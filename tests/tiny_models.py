@@ -9,8 +9,13 @@ def random_target(vocab=64, hidden=64, layers=4, heads=4, kv_heads=2, seed=0, sc
     """A tiny random Llama-shaped target with peaked enough logits to make greedy choices stable."""
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
         tie_word_embeddings=True,
     )
     model = Transformer(cfg)

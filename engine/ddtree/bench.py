@@ -119,9 +119,13 @@ def logits_difference(target: Transformer, ctx: int, tokens: int = 17) -> dict:
         mask = (j[None, :] <= j[ctx:, None])[None, None]
         logits[variant] = target(ids[:, ctx:], j[None, ctx:], j[None, ctx:], mask)[0].float()
     a, b = logits["torch"], logits["triton"]
-    return {"ctx": ctx, "tokens": tokens, "max_abs_diff": round((a - b).abs().max().item(), 5),
-            "max_abs_logit": round(a.abs().max().item(), 4),
-            "argmax_agreement": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4)}
+    return {
+        "ctx": ctx,
+        "tokens": tokens,
+        "max_abs_diff": round((a - b).abs().max().item(), 5),
+        "max_abs_logit": round(a.abs().max().item(), 4),
+        "argmax_agreement": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4),
+    }
 
 
 def micro(target: Transformer, ctx: int = 1024, variants: tuple[str, ...] = ("torch",)) -> dict:
@@ -132,12 +136,16 @@ def micro(target: Transformer, ctx: int = 1024, variants: tuple[str, ...] = ("to
     out = {"ctx": ctx, "kernels": list(variants), "tensor_parallel": target.tp.world if target.tp else 1}
     if cuda:  # under tensor parallelism: this rank's shard against this rank's HBM
         bw, wbytes = copy_bandwidth(dev), weight_bytes(target)
-        out.update(weight_bytes=wbytes, copy_bandwidth_GBps=round(bw / 1e9, 1), hbm_bound_ms=round(wbytes / bw * 1000, 3))
+        out.update(
+            weight_bytes=wbytes, copy_bandwidth_GBps=round(bw / 1e9, 1), hbm_bound_ms=round(wbytes / bw * 1000, 3)
+        )
     out.update(forward_ms={}, decode_over_hbm_bound={}, verify33_over_decode={})
     for variant in variants:
         use_kernels(target, variant)
-        ms = {tokens: round(forward_ms(target, 1, ctx, tokens, graphs=cuda, reps=50 if cuda else 2), 3)
-              for tokens in (1, 17, 33, 65)}
+        ms = {
+            tokens: round(forward_ms(target, 1, ctx, tokens, graphs=cuda, reps=50 if cuda else 2), 3)
+            for tokens in (1, 17, 33, 65)
+        }
         out["forward_ms"][variant] = ms
         if cuda:
             out["decode_over_hbm_bound"][variant] = round(ms[1] / out["hbm_bound_ms"], 3)
@@ -177,7 +185,7 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
         row["capture_seconds"] = round(engine.capture_graphs([batch], [engine.max_slots]), 3)
     params = SamplingParams(max_new_tokens=max_seq - max(len(p) for p in prompts))
 
-    def start_group(group: int) -> None:
+    def start_group(group: int, engine: Engine = engine) -> None:  # bound now: `engine` is deleted below
         for i in range(batch):
             engine.release(i)
             engine.add(i, prompts[(group * batch + i) % len(prompts)], params)
@@ -191,10 +199,7 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
         torch.cuda.synchronize()
         marks = engine.phase_events
         engine.phase_events = None
-        row["phase_ms"] = {
-            name: round(start.elapsed_time(end), 3)
-            for (_, start), (name, end) in zip(marks, marks[1:])
-        }
+        row["phase_ms"] = {name: round(start.elapsed_time(end), 3) for (_, start), (name, end) in zip(marks, marks[1:])}
     # every prompt takes part: below len(prompts) sequences, the groups of `batch` prompts run in turn
     groups = max(1, len(prompts) // batch)
     emitted, seconds = 0, 0.0
@@ -229,12 +234,22 @@ def hf_baseline(target: Transformer, batch: int, prompts, new_tokens: int) -> di
     import transformers
 
     cfg = target.config
-    kind = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config}.get(cfg.model_type, transformers.LlamaConfig)
-    hf_cfg = kind(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                  num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-                  num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                  rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
-                  max_position_embeddings=cfg.max_position_embeddings)
+    kind = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config}.get(
+        cfg.model_type, transformers.LlamaConfig
+    )
+    hf_cfg = kind(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
     dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -253,9 +268,15 @@ def hf_baseline(target: Transformer, batch: int, prompts, new_tokens: int) -> di
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     del hf
-    return {"method": "hf-generate", "batch": batch, "graphs": False, "budget": None,
-            "tokens_per_second": round(batch * new_tokens / seconds, 1),
-            "ms_per_round": round(seconds / new_tokens * 1000, 3), "acceptance_length": 1.0}
+    return {
+        "method": "hf-generate",
+        "batch": batch,
+        "graphs": False,
+        "budget": None,
+        "tokens_per_second": round(batch * new_tokens / seconds, 1),
+        "ms_per_round": round(seconds / new_tokens * 1000, 3),
+        "acceptance_length": 1.0,
+    }
 
 
 @torch.inference_mode()
@@ -264,9 +285,14 @@ def capture_all(target, drafter, ctx: int, budget: int = 32) -> dict:
     engine = make_engine(target, drafter, SpeculationConfig("ddtree", budget), max_batch_size=64, max_seq_len=2 * ctx)
     torch.cuda.reset_peak_memory_stats()
     seconds = engine.capture_graphs()
-    out = {"budget": budget, "graphs": len(engine.graphs.graphs), "batch_buckets": engine.graphs.batch_buckets,
-           "span_buckets": engine.graphs.span_buckets, "capture_seconds": round(seconds, 2),
-           "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    out = {
+        "budget": budget,
+        "graphs": len(engine.graphs.graphs),
+        "batch_buckets": engine.graphs.batch_buckets,
+        "span_buckets": engine.graphs.span_buckets,
+        "capture_seconds": round(seconds, 2),
+        "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -299,8 +325,20 @@ def recommend_budget(rows: list[dict]) -> dict | None:
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    cols = ["method", "kernels", "budget", "batch", "graphs", "acceptance_length", "tokens_per_second", "ms_per_round",
-            "phase_ms", "capture_seconds", "host_syncs_per_round", "peak_memory_GiB"]
+    cols = [
+        "method",
+        "kernels",
+        "budget",
+        "batch",
+        "graphs",
+        "acceptance_length",
+        "tokens_per_second",
+        "ms_per_round",
+        "phase_ms",
+        "capture_seconds",
+        "host_syncs_per_round",
+        "peak_memory_GiB",
+    ]
     lines = [f"### {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
@@ -316,7 +354,9 @@ def markdown(rows: list[dict], title: str) -> str:
 def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: bool = True) -> dict:
     """Every measurement asked for by the plan; prints JSON lines and writes --out when `report` (under
     tensor parallelism every rank runs the same measurements in step, rank 0 reports)."""
-    device = torch.cuda.get_device_name() if target.lm_head.weight.is_cuda else f"cpu ({torch.get_num_threads()} threads)"
+    device = (
+        torch.cuda.get_device_name() if target.lm_head.weight.is_cuda else f"cpu ({torch.get_num_threads()} threads)"
+    )
     world = target.tp.world if target.tp else 1
     results = {"label": label, "device": device, "torch": torch.__version__, "tensor_parallel": world, "rows": []}
 
@@ -347,11 +387,17 @@ def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: boo
                 for variant in plan.kernel_variants:
                     use_kernels(target, variant)  # the Engine keeps an already fused target as it is
                     try:
-                        row = run_config(target, drafter, method, budget, batch, prompts, graphs, plan.rounds,
-                                         profile_phases=True)
+                        row = run_config(
+                            target, drafter, method, budget, batch, prompts, graphs, plan.rounds, profile_phases=True
+                        )
                     except torch.OutOfMemoryError as exc:
-                        row = {"method": method, "budget": budget, "batch": batch, "graphs": graphs,
-                               "error": f"out of memory: {str(exc).splitlines()[0]}"}
+                        row = {
+                            "method": method,
+                            "budget": budget,
+                            "batch": batch,
+                            "graphs": graphs,
+                            "error": f"out of memory: {str(exc).splitlines()[0]}",
+                        }
                         gc.collect()
                         torch.cuda.empty_cache()
                     row = {"method": row.pop("method"), "kernels": variant, **row}
@@ -373,8 +419,10 @@ def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: boo
         if best:
             md += f"\nFastest `ddtree` budget per batch size: `{best['flag']}`\n"
             if best["ar_faster_at"]:
-                md += ("\n`ar` is faster than every measured `ddtree` budget at batch size "
-                       + ", ".join(f"{b} ({best['per_batch'][b]['vs_ar']} ×)" for b in best["ar_faster_at"])
-                       + ": the flag has budget 0 there (plain decoding)\n")
+                md += (
+                    "\n`ar` is faster than every measured `ddtree` budget at batch size "
+                    + ", ".join(f"{b} ({best['per_batch'][b]['vs_ar']} ×)" for b in best["ar_faster_at"])
+                    + ": the flag has budget 0 there (plain decoding)\n"
+                )
         (out / "bench.md").write_text(md)
     return results

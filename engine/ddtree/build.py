@@ -101,25 +101,29 @@ def rank_device(device: str, rank: int, world: int) -> str:
     return device
 
 
-def load_models(config: EngineConfig, rank: int = 0, world: int = 1,
-                note: Callable[[str | None], None] | None = None) -> Loaded:
+def load_models(
+    config: EngineConfig, rank: int = 0, world: int = 1, note: Callable[[str | None], None] | None = None
+) -> Loaded:
     """Target (+ drafter unless the method is `ar`) of a resolved config; with world > 1, this rank's
     shard (call it on every rank, after joining the group), fused again on the shards."""
     note = note or (lambda text=None: None)
     m, spec = config.model, config.speculation
     device, dtype = rank_device(m.device, rank, world), torch_dtype(m.dtype)
     note(f"loading {m.id}")
-    target, tokenizer = load_target(m.id, device, dtype, m.revision,
-                                    kernels=config.kernels.backend if world == 1 else "torch")
+    target, tokenizer = load_target(
+        m.id, device, dtype, m.revision, kernels=config.kernels.backend if world == 1 else "torch"
+    )
     note(None)
     drafter = None
     if spec.method != "ar" and m.drafter:
         note(f"loading drafter {m.drafter}")
         drafter = load_drafter_ref(m.drafter, target, device, dtype, m.drafter_revision)
         if spec.block_size is not None and spec.block_size != drafter.block_size:
-            raise ValueError(f"{config.name('speculation.block_size')} {spec.block_size} differs from the "
-                             f"drafter's block size {drafter.block_size} (a DFlash drafter is trained for one "
-                             "block size)")
+            raise ValueError(
+                f"{config.name('speculation.block_size')} {spec.block_size} differs from the "
+                f"drafter's block size {drafter.block_size} (a DFlash drafter is trained for one "
+                "block size)"
+            )
     note(None)
     how = "none"
     if world > 1:
@@ -134,17 +138,29 @@ def make_engine(target, drafter, speculation: SpeculationConfig, *, max_batch_si
     """The Engine of loaded models: the one place engines are constructed from settings."""
     from .engine import Engine
 
-    return Engine(target, drafter, speculation.method, speculation.budget, max_batch_size=max_batch_size,
-                  max_seq_len=max_seq_len)
+    return Engine(
+        target, drafter, speculation.method, speculation.budget, max_batch_size=max_batch_size, max_seq_len=max_seq_len
+    )
 
 
-def build_engine(config: EngineConfig, rank: int = 0, world: int = 1, *, max_batch_size: int | None = None,
-                 max_seq_len: int | None = None, note=None):
+def build_engine(
+    config: EngineConfig,
+    rank: int = 0,
+    world: int = 1,
+    *,
+    max_batch_size: int | None = None,
+    max_seq_len: int | None = None,
+    note=None,
+):
     """(engine, tokenizer) of a resolved config (EngineConfig.resolve()): load, apply the kernels, split
     over `world` ranks when > 1, and size the engine by serving.max_batch_size / max_seq_len unless
     given here."""
     loaded = load_models(config, rank, world, note)
-    engine = make_engine(loaded.target, loaded.drafter, config.speculation,
-                         max_batch_size=max_batch_size or config.serving.max_batch_size,
-                         max_seq_len=max_seq_len or config.serving.seq_len)
+    engine = make_engine(
+        loaded.target,
+        loaded.drafter,
+        config.speculation,
+        max_batch_size=max_batch_size or config.serving.max_batch_size,
+        max_seq_len=max_seq_len or config.serving.seq_len,
+    )
     return engine, loaded.tokenizer

@@ -33,9 +33,11 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-BUDGET_HELP = ("DDTree node budget B (verify width B+1), or one per batch size: 1:32,16:8 runs B=32 for up "
-               "to 1 sequence, 8 for up to 16 and beyond; budget 0 decodes without drafting at those batch "
-               "sizes (1:32,16:8,64:0; `ddtree bench` prints the measured best); default block_size-1")
+BUDGET_HELP = (
+    "DDTree node budget B (verify width B+1), or one per batch size: 1:32,16:8 runs B=32 for up "
+    "to 1 sequence, 8 for up to 16 and beyond; budget 0 decodes without drafting at those batch "
+    "sizes (1:32,16:8,64:0; `ddtree bench` prints the measured best); default block_size-1"
+)
 
 
 def parse_budget(text: str) -> int | dict[int, int]:
@@ -48,7 +50,9 @@ def parse_budget(text: str) -> int | dict[int, int]:
             return value
         policy = {int(n): int(b) for n, b in (part.split(":") for part in text.split(","))}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--budget takes an integer or BATCH:BUDGET pairs like 1:32,16:8, got '{text}'")
+        raise argparse.ArgumentTypeError(
+            f"--budget takes an integer or BATCH:BUDGET pairs like 1:32,16:8, got '{text}'"
+        ) from None
     if min(policy) < 1 or min(policy.values()) < 0:
         raise argparse.ArgumentTypeError(f"--budget: batch sizes must be >= 1 and budgets >= 0, got '{text}'")
     return policy
@@ -58,8 +62,10 @@ def _device_and_dtype(device: str | None, dtype: str | None):
     """(device, torch dtype) of --device/--dtype as the engine commands resolve them (EngineConfig.resolve)."""
     from .build import torch_dtype
 
-    config = EngineConfig.from_dict({"model": {"id": "-", "device": device, "dtype": dtype}},
-                                    names={"model.device": "--device", "model.dtype": "--dtype"})
+    config = EngineConfig.from_dict(
+        {"model": {"id": "-", "device": device, "dtype": dtype}},
+        names={"model.device": "--device", "model.dtype": "--dtype"},
+    )
     model = config.resolve(default_drafter=False).model
     return model.device, torch_dtype(model.dtype)
 
@@ -68,14 +74,48 @@ def _device_and_dtype(device: str | None, dtype: str | None):
 DEFAULT_KERNELS = KernelConfig.backend  # Triton on CUDA when importable (measured faster and lossless in fp32)
 
 # flag dest -> config field, per command (the flags not listed here are the command's own)
-GENERATE_FLAGS = {d: f for d, f in FLAGS.items() if d in (
-    "model", "drafter", "method", "budget", "max_seq_len", "device", "dtype", "kernels", "tensor_parallel",
-    "replicate_drafter")}
-SMOKE_FLAGS = {**{d: f for d, f in FLAGS.items() if d in (
-    "model", "drafter", "method", "budget", "max_seq_len", "device", "dtype", "kernels", "termination_log",
-    "no_graphs")}, "batch_sizes": "kernels.batch_buckets"}
-BENCH_FLAGS = {d: f for d, f in FLAGS.items() if d in (
-    "model", "drafter", "device", "dtype", "kernels", "tensor_parallel", "replicate_drafter")}
+GENERATE_FLAGS = {
+    d: f
+    for d, f in FLAGS.items()
+    if d
+    in (
+        "model",
+        "drafter",
+        "method",
+        "budget",
+        "max_seq_len",
+        "device",
+        "dtype",
+        "kernels",
+        "tensor_parallel",
+        "replicate_drafter",
+    )
+}
+SMOKE_FLAGS = {
+    **{
+        d: f
+        for d, f in FLAGS.items()
+        if d
+        in (
+            "model",
+            "drafter",
+            "method",
+            "budget",
+            "max_seq_len",
+            "device",
+            "dtype",
+            "kernels",
+            "termination_log",
+            "no_graphs",
+        )
+    },
+    "batch_sizes": "kernels.batch_buckets",
+}
+BENCH_FLAGS = {
+    d: f
+    for d, f in FLAGS.items()
+    if d in ("model", "drafter", "device", "dtype", "kernels", "tensor_parallel", "replicate_drafter")
+}
 
 
 def cmd_generate(args) -> int:
@@ -128,7 +168,10 @@ def generate_on_rank(rank: int, world: int, config: EngineConfig, args) -> dict:
     # one sequence; the cache is sized after tokenizing, so load and build are two steps here
     engine = make_engine(target, loaded.drafter, config.speculation, max_batch_size=1, max_seq_len=max_seq)
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
         stop_token_ids=stop_ids(tokenizer, target),
     )
     (res,) = engine.generate([list(prompt_ids)], params)
@@ -163,8 +206,14 @@ def cmd_smoke(args) -> int:
     if engine.device.type == "cuda" and config.kernels.graphs:
         engine.capture_graphs(batch_buckets=sizes)
     texts = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time", "import numpy as np\n"]
-    report = run_smoke(engine, sizes, [tokenizer.encode(t) for t in texts], max_new_tokens=args.max_new_tokens,
-                       min_acceptance=args.min_acceptance, fault=args.fault)
+    report = run_smoke(
+        engine,
+        sizes,
+        [tokenizer.encode(t) for t in texts],
+        max_new_tokens=args.max_new_tokens,
+        min_acceptance=args.min_acceptance,
+        fault=args.fault,
+    )
     if not report.passed:
         write_termination_log(report.reason, config.serving.termination_log)
     print(report.reason, file=sys.stderr)
@@ -173,7 +222,7 @@ def cmd_smoke(args) -> int:
 
 
 BENCH_PROMPTS = [
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    'def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n',
     "class LRUCache:\n    def __init__(self, capacity: int):\n",
     "Explain in a few sentences why the sky is blue.",
     "Write a short story about a robot who learns to paint.",
@@ -204,18 +253,26 @@ def cmd_bench(args) -> int:
     else:
         variants = ["torch", "triton"] if kernels == "both" else [kernels]
         if "triton" in variants and not available(device):
-            raise UsageError(f"--kernels {kernels} needs triton and a CUDA device "
-                             "(on CPU only under TRITON_INTERPRET=1, slowly)")
+            raise UsageError(
+                f"--kernels {kernels} needs triton and a CUDA device (on CPU only under TRITON_INTERPRET=1, slowly)"
+            )
     methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - {"ar", "dflash", "ddtree"}
     if unknown:
         raise UsageError(f"unknown methods {sorted(unknown)} in --methods")
     plan = BenchPlan(
-        methods=methods, budgets=parse_int_list(args.budgets, "--budgets"),
+        methods=methods,
+        budgets=parse_int_list(args.budgets, "--budgets"),
         batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
-        graph_modes={"on": [True], "off": [False], "both": [False, True]}[args.graphs], kernel_variants=variants,
-        rounds=args.rounds, ctx=args.ctx, micro=args.micro, capture_all=args.capture_all,
-        hf_baseline=args.hf_baseline, out=args.out)
+        graph_modes={"on": [True], "off": [False], "both": [False, True]}[args.graphs],
+        kernel_variants=variants,
+        rounds=args.rounds,
+        ctx=args.ctx,
+        micro=args.micro,
+        capture_all=args.capture_all,
+        hf_baseline=args.hf_baseline,
+        out=args.out,
+    )
     tp = config.parallel.tensor_parallel
     if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
         from .parallel import init_from_env
@@ -261,9 +318,14 @@ def bench_on_rank(rank: int, world: int, config: EngineConfig, plan) -> None:
             if text.startswith(("def ", "class ", "import ")):
                 prompts.append(tokenizer.encode(text))
             else:
-                prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                             add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False))
+                prompts.append(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": text}],
+                        add_generation_prompt=True,
+                        tokenize=True,
+                        return_dict=False,
+                    )
+                )
         label = f"{model} + {config.model.drafter or 'no drafter'}"
     if world > 1:
         label += f", tensor parallel {world} (drafter {loaded.drafter_split})"
@@ -288,8 +350,10 @@ def cmd_init_drafter(args) -> int:
     cfg.check_target(target_cfg)
     drafter = init_drafter(cfg, seed=args.seed).to(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     out = save_drafter(drafter, args.out)
-    print(f"wrote a random-init DFlash drafter ({args.layers} layers, block {args.block_size}, taps "
-          f"{cfg.target_layer_ids}) to {out}")
+    print(
+        f"wrote a random-init DFlash drafter ({args.layers} layers, block {args.block_size}, taps "
+        f"{cfg.target_layer_ids}) to {out}"
+    )
     return 0
 
 
@@ -300,28 +364,43 @@ UNSET = argparse.SUPPRESS
 
 
 def add_config_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="YAML or JSON file of engine settings (docs/engine.md, "
-                                                    "\"Configuration\"); flags given here override it")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help='YAML or JSON file of engine settings (docs/engine.md, "Configuration"); flags given here override it',
+    )
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tensor-parallel", type=int, default=UNSET,
-                   help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too")
-    p.add_argument("--replicate-drafter", action="store_true", default=UNSET,
-                   help="with --tensor-parallel: run the whole drafter on every rank instead of splitting its "
-                        "layers like the target's (the default when its heads divide)")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=UNSET,
+        help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too",
+    )
+    p.add_argument(
+        "--replicate-drafter",
+        action="store_true",
+        default=UNSET,
+        help="with --tensor-parallel: run the whole drafter on every rank instead of splitting its "
+        "layers like the target's (the default when its heads divide)",
+    )
 
 
-KERNELS_HELP = ("element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto (Triton on "
-                f"CUDA when available); default {DEFAULT_KERNELS}")
+KERNELS_HELP = (
+    "element-wise path of the target: PyTorch ops, fused Triton kernels (CUDA), or auto (Triton on "
+    f"CUDA when available); default {DEFAULT_KERNELS}"
+)
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--config and the model/drafter/speculation/device flags of generate, serve and smoke."""
     add_config_flag(p)
-    p.add_argument("--model", default=UNSET,
-                   help="built-in id (smollm2-135m-instruct), local folder, .gguf or hub id (required, here or "
-                        "in --config)")
+    p.add_argument(
+        "--model",
+        default=UNSET,
+        help="built-in id (smollm2-135m-instruct), local folder, .gguf or hub id (required, here or in --config)",
+    )
     p.add_argument("--drafter", default=UNSET, help="DFlash drafter: local folder, built-in id or hub id")
     p.add_argument("--method", choices=["ar", "dflash", "ddtree"], default=UNSET, help="default ddtree")
     p.add_argument("--budget", type=parse_budget, default=UNSET, help=BUDGET_HELP)
@@ -329,8 +408,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=UNSET, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=UNSET,
-                   help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument(
+        "--dtype", default=UNSET, help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)"
+    )
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -350,8 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--max-seq-len", type=int, default=UNSET,
-                   help="KV cache length (default: prompt + max new tokens)")
+    g.add_argument("--max-seq-len", type=int, default=UNSET, help="KV cache length (default: prompt + max new tokens)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--prompt", required=True)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
@@ -362,12 +441,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     sm = sub.add_parser("smoke", help="capture graphs and compare them with eager execution (readiness gate)")
     add_engine_flags(sm)
-    sm.add_argument("--batch-sizes", default=UNSET,
-                    help="batch sizes to test (and capture graphs for); default 1,2,4 (kernels.batch_buckets)")
+    sm.add_argument(
+        "--batch-sizes",
+        default=UNSET,
+        help="batch sizes to test (and capture graphs for); default 1,2,4 (kernels.batch_buckets)",
+    )
     sm.add_argument("--max-new-tokens", type=int, default=8)
     sm.add_argument("--min-acceptance", type=float, default=1.0, help="fail below this acceptance length")
-    sm.add_argument("--termination-log", default=UNSET,
-                    help="file for the failure reason (default /dev/termination-log if present)")
+    sm.add_argument(
+        "--termination-log", default=UNSET, help="file for the failure reason (default /dev/termination-log if present)"
+    )
     sm.add_argument("--no-graphs", action="store_true", default=UNSET, help="compare batched eager rounds only")
     sm.add_argument("--fault", choices=["corrupt-graph-input"], help=argparse.SUPPRESS)
     sm.set_defaults(func=cmd_smoke)
@@ -384,13 +467,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_flags(b)
     b.add_argument("--rounds", type=int, default=16, help="timed rounds per configuration")
     b.add_argument("--micro", action="store_true", help="also time single target forwards vs the HBM bound")
-    b.add_argument("--kernels", choices=[*KERNEL_CHOICES, "both"], default=UNSET,
-                   help="element-wise path of the target: PyTorch ops, Triton kernels, auto, or both in turn, "
-                        f"with the logit difference in --micro; default {DEFAULT_KERNELS}")
+    b.add_argument(
+        "--kernels",
+        choices=[*KERNEL_CHOICES, "both"],
+        default=UNSET,
+        help="element-wise path of the target: PyTorch ops, Triton kernels, auto, or both in turn, "
+        f"with the logit difference in --micro; default {DEFAULT_KERNELS}",
+    )
     b.add_argument("--hf-baseline", action="store_true", help="also time transformers generate")
     b.add_argument("--capture-all", action="store_true", help="also time capturing every batch/span bucket")
-    b.add_argument("--device", default=UNSET,
-                   help="cuda (default when available) or cpu (acceptance and eager speed only)")
+    b.add_argument(
+        "--device", default=UNSET, help="cuda (default when available) or cpu (acceptance and eager speed only)"
+    )
     b.add_argument("--dtype", default=UNSET, help="default: bfloat16 on cuda, float32 on cpu")
     b.add_argument("--out", help="folder for bench.json and bench.md")
     b.set_defaults(func=cmd_bench)

@@ -26,8 +26,14 @@ from typing import Any
 
 METHODS = ("ar", "dflash", "ddtree")
 KERNEL_CHOICES = ("auto", "torch", "triton")
-DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-               "float16": "float16", "fp16": "float16"}
+DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 DEFAULT_MAX_SEQ_LEN = 2048  # serve and smoke, when serving.max_seq_len is not set
 DEFAULT_SMOKE_BUCKETS = (1, 2, 4)  # smoke, when kernels.batch_buckets is not set
 
@@ -87,19 +93,37 @@ class ServingConfig:
         return 4 * self.max_batch_size if self.max_waiting is None else self.max_waiting
 
 
-SECTIONS = {"model": ModelRef, "speculation": SpeculationConfig, "kernels": KernelConfig,
-            "parallel": ParallelConfig, "serving": ServingConfig}
+SECTIONS = {
+    "model": ModelRef,
+    "speculation": SpeculationConfig,
+    "kernels": KernelConfig,
+    "parallel": ParallelConfig,
+    "serving": ServingConfig,
+}
 
 # flag dest -> field, for the flags `generate`, `serve` and `smoke` share with the file
 FLAGS = {
-    "model": "model.id", "revision": "model.revision", "drafter": "model.drafter",
-    "drafter_revision": "model.drafter_revision", "dtype": "model.dtype", "device": "model.device",
-    "method": "speculation.method", "budget": "speculation.budget", "block_size": "speculation.block_size",
-    "kernels": "kernels.backend", "no_graphs": "kernels.graphs", "batch_buckets": "kernels.batch_buckets",
-    "tensor_parallel": "parallel.tensor_parallel", "replicate_drafter": "parallel.replicate_drafter",
-    "host": "serving.host", "port": "serving.port", "max_batch_size": "serving.max_batch_size",
-    "max_seq_len": "serving.max_seq_len", "max_waiting": "serving.max_waiting",
-    "served_model_name": "serving.served_model_name", "termination_log": "serving.termination_log",
+    "model": "model.id",
+    "revision": "model.revision",
+    "drafter": "model.drafter",
+    "drafter_revision": "model.drafter_revision",
+    "dtype": "model.dtype",
+    "device": "model.device",
+    "method": "speculation.method",
+    "budget": "speculation.budget",
+    "block_size": "speculation.block_size",
+    "kernels": "kernels.backend",
+    "no_graphs": "kernels.graphs",
+    "batch_buckets": "kernels.batch_buckets",
+    "tensor_parallel": "parallel.tensor_parallel",
+    "replicate_drafter": "parallel.replicate_drafter",
+    "host": "serving.host",
+    "port": "serving.port",
+    "max_batch_size": "serving.max_batch_size",
+    "max_seq_len": "serving.max_seq_len",
+    "max_waiting": "serving.max_waiting",
+    "served_model_name": "serving.served_model_name",
+    "termination_log": "serving.termination_log",
 }
 INVERTED = {"no_graphs"}  # store_true flags that switch a field off
 
@@ -188,8 +212,9 @@ def _read(path: str | os.PathLike) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections ({', '.join(SECTIONS)}), "
-                          f"got {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}"
+        )
     return data
 
 
@@ -262,8 +287,11 @@ class EngineConfig:
             if target not in names and target.split(".")[1] not in (data.get(target.split(".")[0]) or {}):
                 names[target] = _flag(dest)
         if not (data.get("model") or {}).get("id"):
-            raise ConfigError("the following arguments are required: --model" if not path
-                              else f"no model: set model.id in {path} or pass --model")
+            raise ConfigError(
+                "the following arguments are required: --model"
+                if not path
+                else f"no model: set model.id in {path} or pass --model"
+            )
         return cls.from_dict(data, names=names, source=path)
 
     def to_dict(self) -> dict:
@@ -326,8 +354,11 @@ class EngineConfig:
         device = self.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"{self.name('model.device')} cuda requested but no CUDA device is available")
-        dtype = DTYPE_NAMES[self.model.dtype] if self.model.dtype else (
-            "bfloat16" if device.startswith("cuda") else "float32")
+        dtype = (
+            DTYPE_NAMES[self.model.dtype]
+            if self.model.dtype
+            else ("bfloat16" if device.startswith("cuda") else "float32")
+        )
         drafter = self.model.drafter
         if default_drafter and self.speculation.method != "ar" and not drafter:
             from .loading import DEFAULT_DRAFTERS
@@ -335,8 +366,9 @@ class EngineConfig:
             drafter = DEFAULT_DRAFTERS.get(self.model.id)
             if drafter is None:
                 method = self.name("speculation.method")
-                raise ConfigError(f"{method} {self.speculation.method} needs {self.name('model.drafter')} "
-                                  f"(or use {method} ar)")
+                raise ConfigError(
+                    f"{method} {self.speculation.method} needs {self.name('model.drafter')} (or use {method} ar)"
+                )
         return self.replace(model={"device": device, "dtype": dtype, "drafter": drafter})
 
     @property
@@ -350,8 +382,10 @@ class EngineConfig:
         if buckets:
             sizes = sorted(set(buckets))
             if max(sizes) > mbs:
-                raise ConfigError(f"{self.name('kernels.batch_buckets')} {','.join(map(str, buckets))} exceed "
-                                  f"{self.name('serving.max_batch_size')} {mbs}")
+                raise ConfigError(
+                    f"{self.name('kernels.batch_buckets')} {','.join(map(str, buckets))} exceed "
+                    f"{self.name('serving.max_batch_size')} {mbs}"
+                )
         else:
             sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= mbs} | {mbs})
         graphs = str(self.model.device).startswith("cuda") and self.kernels.graphs

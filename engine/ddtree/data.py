@@ -87,10 +87,14 @@ def corpus_files(sources: list[str]) -> list[Path]:
             files.append(path)
         elif path.is_dir():
             for dirpath, dirnames, filenames in os.walk(path):
-                dirnames[:] = sorted(d for d in dirnames if d not in {"__pycache__", "tests", "test"}
-                                     and not d.startswith("."))
-                files.extend(Path(dirpath) / f for f in sorted(filenames)
-                             if f.endswith(".py") or Path(f).suffix.lower() in TEXT_SUFFIXES)
+                dirnames[:] = sorted(
+                    d for d in dirnames if d not in {"__pycache__", "tests", "test"} and not d.startswith(".")
+                )
+                files.extend(
+                    Path(dirpath) / f
+                    for f in sorted(filenames)
+                    if f.endswith(".py") or Path(f).suffix.lower() in TEXT_SUFFIXES
+                )
         else:
             raise FileNotFoundError(f"corpus source '{src}' is neither 'stdlib', 'site-packages' nor a path")
     seen_names: set[Path] = set()
@@ -108,7 +112,7 @@ def corpus_files(sources: list[str]) -> list[Path]:
             by_size.setdefault(size, []).append(f)
     # content dedup only among files of equal size (cheap: few collisions)
     out = []
-    for size, group in by_size.items():
+    for group in by_size.values():
         if len(group) == 1:
             out.extend(group)
             continue
@@ -126,8 +130,10 @@ def corpus_names(files: list[Path], sources: list[str]) -> list[str]:
     came from, prefixed with that source's label ("stdlib/csv.py", "site-packages/PIL/Image.py",
     "doc/python3/README.txt" for a folder source named doc; a file outside every such folder by its
     name alone). Never an absolute path, so a manifest reads the same on every machine."""
-    roots: list[tuple[str, Path]] = [("stdlib", Path(sysconfig.get_paths()["stdlib"]).resolve()),
-                                     ("site-packages", Path(sysconfig.get_paths()["purelib"]).resolve())]
+    roots: list[tuple[str, Path]] = [
+        ("stdlib", Path(sysconfig.get_paths()["stdlib"]).resolve()),
+        ("site-packages", Path(sysconfig.get_paths()["purelib"]).resolve()),
+    ]
     for src in sources:
         if src in ("stdlib", "site-packages"):
             continue
@@ -238,8 +244,9 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 def _chat(tokenizer, content: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -537,9 +544,13 @@ class TokenData:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"tokens": self.tokens.int().contiguous(), "offsets": self.offsets.long().contiguous(),
-                   "prompt_lens": self.prompt_lens.int().contiguous(), "split": self.split.to(torch.uint8),
-                   "kind": self.kind.to(torch.uint8)}
+        tensors = {
+            "tokens": self.tokens.int().contiguous(),
+            "offsets": self.offsets.long().contiguous(),
+            "prompt_lens": self.prompt_lens.int().contiguous(),
+            "split": self.split.to(torch.uint8),
+            "kind": self.kind.to(torch.uint8),
+        }
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata={"format": "ddtree-train-data", "version": "1"})
         os.replace(tmp, path)
@@ -561,14 +572,26 @@ class TokenData:
         return cls(t["tokens"], t["offsets"], t["prompt_lens"], t["split"], t["kind"], manifest)
 
     @classmethod
-    def from_sequences(cls, seqs: list[list[int]], prompt_lens: list[int], held: list[bool], kinds: list[int],
-                       manifest: dict | None = None) -> TokenData:
+    def from_sequences(
+        cls,
+        seqs: list[list[int]],
+        prompt_lens: list[int],
+        held: list[bool],
+        kinds: list[int],
+        manifest: dict | None = None,
+    ) -> TokenData:
         lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)
         offsets = torch.zeros(len(seqs) + 1, dtype=torch.long)
         offsets[1:] = lens.cumsum(0)
         flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
-        return cls(flat, offsets, torch.tensor(prompt_lens, dtype=torch.int32),
-                   torch.tensor(held, dtype=torch.uint8), torch.tensor(kinds, dtype=torch.uint8), manifest or {})
+        return cls(
+            flat,
+            offsets,
+            torch.tensor(prompt_lens, dtype=torch.int32),
+            torch.tensor(held, dtype=torch.uint8),
+            torch.tensor(kinds, dtype=torch.uint8),
+            manifest or {},
+        )
 
 
 def manifest_path(data_path: Path) -> Path:
@@ -624,12 +647,23 @@ def make_data(
     if bad:
         raise ValueError(f"tokenizer produced id {bad[0]} outside the target's vocabulary of {vocab}")
     t_cut = time.perf_counter() - t0
-    conts = generate_continuations(target, [p.tokens for p in prompts], continuation_tokens, stop_token_ids,
-                                   batch_size, temperature, top_p, seed, progress)
+    conts = generate_continuations(
+        target,
+        [p.tokens for p in prompts],
+        continuation_tokens,
+        stop_token_ids,
+        batch_size,
+        temperature,
+        top_p,
+        seed,
+        progress,
+    )
     keep = [i for i, c in enumerate(conts) if len(c) >= 2]  # a block needs an anchor and one more token
     seqs = [prompts[i].tokens + conts[i] for i in keep]
     data = TokenData.from_sequences(
-        seqs, [len(prompts[i].tokens) for i in keep], [prompts[i].held_out for i in keep],
+        seqs,
+        [len(prompts[i].tokens) for i in keep],
+        [prompts[i].held_out for i in keep],
         [prompts[i].kind for i in keep],
     )
     used = sorted({prompts[i].source for i in keep})

@@ -61,7 +61,7 @@ class DrafterConfig:
         mask_token_id: int | None = None,
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
-    ) -> "DrafterConfig":
+    ) -> DrafterConfig:
         return cls(
             vocab_size=target.vocab_size,
             hidden_size=target.hidden_size,
@@ -82,7 +82,7 @@ class DrafterConfig:
         )
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "DrafterConfig":
+    def from_hf(cls, cfg: dict) -> DrafterConfig:
         arch = cfg.get("architectures") or ["DFlashDraftModel"]
         if arch[0] != "DFlashDraftModel":
             raise DrafterMismatchError(f"unsupported drafter architecture {arch[0]} (expected DFlashDraftModel)")
@@ -171,25 +171,46 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(self._heads(self.k_proj, x, self.n_kv)).transpose(1, 2)
         return apply_rope(k, cos, sin), self._heads(self.v_proj, x, self.n_kv).transpose(1, 2)
 
-    def append_context(self, ctx: Tensor, rope_ctx, ctx_slots: Tensor, rows: Tensor | None = None) -> None:
+    def append_context(
+        self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor, rows: Tensor | None = None
+    ) -> None:
         if self.kernels:  # k norm, RoPE and both cache writes in one kernel (no query heads)
             k, v = self._heads(self.k_proj, ctx, self.n_kv), self._heads(self.v_proj, ctx, self.n_kv)
             w = self.k_norm.weight
-            kernels.qk_norm_rope_kv(k[:, :, :0], k, v, *rope_ctx, w, w, self.k_norm.eps, self.kv_cache.k,
-                                    self.kv_cache.v, rows, ctx_slots)
+            kernels.qk_norm_rope_kv(
+                k[:, :, :0], k, v, *rope_ctx, w, w, self.k_norm.eps, self.kv_cache.k, self.kv_cache.v, rows, ctx_slots
+            )
         else:
             self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx), rows)
 
-    def forward(self, x: Tensor, ctx: Tensor | None, rope_blk, rope_ctx, blk_slots, ctx_slots, mask,
-                extent: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor | None,
+        rope_blk: tuple[Tensor, Tensor],
+        rope_ctx: tuple[Tensor, Tensor] | None,
+        blk_slots,
+        ctx_slots,
+        mask,
+        extent: Tensor | None = None,
+    ) -> Tensor:
         bs, T, _ = x.shape
         if ctx is not None:  # append the new context keys/values first
             self.append_context(ctx, rope_ctx, ctx_slots)
         if self.kernels:  # q/k norms, RoPE and the block's cache writes in one kernel
             q = kernels.qk_norm_rope_kv(
-                self._heads(self.q_proj, x, self.n_heads), self._heads(self.k_proj, x, self.n_kv),
-                self._heads(self.v_proj, x, self.n_kv), *rope_blk, self.q_norm.weight, self.k_norm.weight,
-                self.q_norm.eps, self.kv_cache.k, self.kv_cache.v, None, blk_slots)
+                self._heads(self.q_proj, x, self.n_heads),
+                self._heads(self.k_proj, x, self.n_kv),
+                self._heads(self.v_proj, x, self.n_kv),
+                *rope_blk,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+                self.kv_cache.k,
+                self.kv_cache.v,
+                None,
+                blk_slots,
+            )
             out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, None, extent)
         else:
             self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
@@ -219,7 +240,10 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        # a ModuleList; declared as a list of its item type, which ModuleList (not generic) can't say
+        self.layers: list[DrafterLayer] = nn.ModuleList(  # type: ignore[assignment]
+            DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)
+        )
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -241,7 +265,9 @@ class DFlashDrafter(nn.Module):
     def setup_caches(self, max_batch: int, max_slots: int) -> None:
         p = self.fc.weight
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
-        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(p.device)
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(
+            p.device
+        )
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(  # this rank's KV heads when split
                 max_batch, layer.self_attn.n_kv, max_slots, self.config.head_dim, p.dtype, p.device
@@ -269,13 +295,18 @@ class DFlashDrafter(nn.Module):
             rope_ctx = rope_cos_sin(self.inv_freq, ctx_positions, dtype)
         x = block_embeds
         bs, T, _ = x.shape
-        extent = (kernels.mask_extent(mask.expand(bs, 1, T, mask.shape[-1]))  # shared by the layers
-                  if self.layers and self.layers[0].self_attn.kernels else None)
+        extent = (
+            kernels.mask_extent(mask.expand(bs, 1, T, mask.shape[-1]))  # shared by the layers
+            if self.layers and self.layers[0].self_attn.kernels
+            else None
+        )
         for layer in self.layers:
             x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, mask, extent)
         return self.norm(x)
 
-    def append_context(self, ctx_features: Tensor, positions: Tensor, slots: Tensor, rows: Tensor | None = None) -> None:
+    def append_context(
+        self, ctx_features: Tensor, positions: Tensor, slots: Tensor, rows: Tensor | None = None
+    ) -> None:
         """Cache the context keys/values of committed tokens without running a block (the prompt:
         context K/V depend only on the fused features, never on the block)."""
         ctx = self.hidden_norm(self.fc(ctx_features))

@@ -160,8 +160,13 @@ class Engine:
         self.host_sampling[slot] = params.temperature > 0
         self.host_active[slot] = True
         logits = self.target.logits(hidden[:, -1:])
-        first = decide(logits, self.temperature[slot : slot + 1], self.top_p[slot : slot + 1], self.generator,
-                       self.host_sampling[slot])[0, 0]
+        first = decide(
+            logits,
+            self.temperature[slot : slot + 1],
+            self.top_p[slot : slot + 1],
+            self.generator,
+            self.host_sampling[slot],
+        )[0, 0]
         self.bonus[slot] = first
         return int(first)
 
@@ -207,8 +212,13 @@ class Engine:
         ctx_pos, ctx_slots = self.pending_context(n)
         mask = (torch.arange(span, device=dev) < (lengths[:, None] + block)).view(n, 1, 1, span)
         hidden = self.drafter(
-            self.target.embed(block_tokens), block_pos, block_pos, mask.expand(n, 1, block, span),
-            self.ctx_features[:n], ctx_pos, ctx_slots,
+            self.target.embed(block_tokens),
+            block_pos,
+            block_pos,
+            mask.expand(n, 1, block, span),
+            self.ctx_features[:n],
+            ctx_pos,
+            ctx_slots,
         )
         return self.target.logits(hidden[:, 1 : 1 + self.max_depth])
 
@@ -292,8 +302,13 @@ class Engine:
             out.append(row[1 : 1 + row[0]])
         return out
 
-    def capture_graphs(self, batch_buckets: list[int] | None = None, span_buckets: list[int] | None = None,
-                       sampling: tuple[bool, ...] = (False,), fallback: bool = False) -> float:
+    def capture_graphs(
+        self,
+        batch_buckets: list[int] | None = None,
+        span_buckets: list[int] | None = None,
+        sampling: tuple[bool, ...] = (False,),
+        fallback: bool = False,
+    ) -> float:
         """Capture CUDA graphs of whole rounds (see graphs.py); returns the capture time in seconds."""
         from .graphs import RoundGraphs
 

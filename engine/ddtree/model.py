@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels
+
+if TYPE_CHECKING:
+    from .parallel import TensorParallel
 
 
 @dataclass
@@ -38,14 +42,12 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         """Build from a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
         model_type = cfg.get("model_type", "llama")
         supported = {"llama", "qwen2", "qwen3", "mistral"}
         if model_type not in supported:
-            raise ValueError(
-                f"unsupported model_type '{model_type}' (supported: {', '.join(sorted(supported))})"
-            )
+            raise ValueError(f"unsupported model_type '{model_type}' (supported: {', '.join(sorted(supported))})")
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or None
@@ -130,8 +132,12 @@ class KVCache(nn.Module):
     (the target keeps all layers in one buffer so that compaction is one gather, not one per layer).
     """
 
-    def __init__(self, max_batch: int, kv_heads: int, max_slots: int, head_dim: int, dtype, device,
-                 storage: Tensor | None = None):
+    k: Tensor  # buffers, declared for the type checker (register_buffer does not declare them)
+    v: Tensor
+
+    def __init__(
+        self, max_batch: int, kv_heads: int, max_slots: int, head_dim: int, dtype, device, storage: Tensor | None = None
+    ):
         super().__init__()
         shape = (max_batch, kv_heads, max_slots + 1, head_dim)
         if storage is None:
@@ -176,7 +182,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.kv_cache: KVCache | None = None
-        self.tp = None  # parallel.TensorParallel once sharded: o_proj outputs are partial sums
+        self.tp: TensorParallel | None = None  # set once sharded: o_proj outputs are partial sums
         self.wqkv: Tensor | None = None  # fused projection, see fuse()
         self.bqkv: Tensor | None = None
         self.kernels = False  # Triton norm + RoPE + KV write (kernels.py), see Transformer.fuse()
@@ -189,15 +195,27 @@ class Attention(nn.Module):
         if self.q_proj.bias is not None:
             self.bqkv = _concat_views([p.bias for p in projs])
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, rows: Tensor | None,
-                extent: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        slots: Tensor,
+        mask: Tensor,
+        rows: Tensor | None,
+        extent: Tensor | None = None,
+    ) -> Tensor:
         bs, T, _ = x.shape
         one_row = self.kernels and bs * T == 1  # a batch-1 decode step: GEMVs (kernels.gemv)
         if self.wqkv is not None:
-            qkv = (kernels.gemv(x, self.wqkv, self.bqkv, config=kernels.GEMV_CONFIGS["qkv"]) if one_row
-                   else F.linear(x, self.wqkv, self.bqkv))
+            qkv = (
+                kernels.gemv(x, self.wqkv, self.bqkv, config=kernels.GEMV_CONFIGS["qkv"])
+                if one_row
+                else F.linear(x, self.wqkv, self.bqkv)
+            )
             q, k, v = qkv.split(
-                [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
+                [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1
+            )
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(bs, T, self.n_heads, self.head_dim)
@@ -205,9 +223,20 @@ class Attention(nn.Module):
         v = v.view(bs, T, self.n_kv, self.head_dim)
         if self.kernels:  # one kernel for what follows in the else branch (KVCache.update's layout)
             norm = self.q_norm is not None
-            q = kernels.qk_norm_rope_kv(q, k, v, cos, sin, self.q_norm.weight if norm else None,
-                                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
-                                self.kv_cache.k, self.kv_cache.v, rows, slots)
+            q = kernels.qk_norm_rope_kv(
+                q,
+                k,
+                v,
+                cos,
+                sin,
+                self.q_norm.weight if norm else None,
+                self.k_norm.weight if norm else None,
+                self.q_norm.eps if norm else 0.0,
+                self.kv_cache.k,
+                self.kv_cache.v,
+                rows,
+                slots,
+            )
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -223,15 +252,21 @@ class Attention(nn.Module):
         o_config = kernels.SKINNY_CONFIGS.get("o")
         if one_row:
             out = kernels.gemv(out, self.o_proj.weight, self.o_proj.bias, config=kernels.GEMV_CONFIGS["o"])
-        elif (self.kernels and self.tp is None and self.o_proj.bias is None  # the all-reduce takes one tensor
-              and kernels.skinny_applies(bs * T, *self.o_proj.weight.shape, o_config, x.dtype)):
+        elif (
+            self.kernels
+            and self.tp is None
+            and self.o_proj.bias is None  # the all-reduce takes one tensor
+            and kernels.skinny_applies(
+                bs * T, self.o_proj.weight.shape[0], self.o_proj.weight.shape[1], o_config, x.dtype
+            )
+        ):
             out = kernels.skinny_linear(out, self.o_proj.weight, o_config)  # [splits, bs, T, hidden]: add_rms_norm sums
         else:
             out = self.o_proj(out)
         return self.tp.all_reduce(out) if self.tp else out
 
 
-def _concat_views(params: list[nn.Parameter]) -> Tensor:
+def _concat_views(params: list[Tensor]) -> Tensor:
     """Concatenate parameters along dim 0 and re-point each at its slice of the result."""
     fused = torch.cat([p.detach() for p in params], dim=0)
     start = 0
@@ -250,15 +285,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.w_gate_up: Tensor | None = None
         self.kernels = False  # Triton silu_mul on the fused gate/up output, see Transformer.fuse()
-        self.tp = None  # parallel.TensorParallel once sharded: down_proj outputs are partial sums
+        self.tp: TensorParallel | None = None  # set once sharded: down_proj outputs are partial sums
 
     def fuse(self) -> None:
         self.w_gate_up = _concat_views([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: Tensor) -> Tensor:
         if self.w_gate_up is not None and self.kernels and x.numel() == x.shape[-1]:  # a batch-1 decode step
-            out = kernels.gemv(F.linear(x, self.w_gate_up), self.down_proj.weight, silu_mul=True,
-                               config=kernels.GEMV_CONFIGS["down"])
+            out = kernels.gemv(
+                F.linear(x, self.w_gate_up), self.down_proj.weight, silu_mul=True, config=kernels.GEMV_CONFIGS["down"]
+            )
         elif self.w_gate_up is not None and self.kernels:
             config, inter = kernels.SKINNY_CONFIGS.get("gate_up"), self.down_proj.weight.shape[1]
             if kernels.skinny_applies(x.numel() // x.shape[-1], inter, x.shape[-1], config, x.dtype):
@@ -286,8 +322,18 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x: Tensor, h: Tensor, next_norm: RMSNorm, cos: Tensor, sin: Tensor, slots: Tensor,
-                      mask: Tensor, rows: Tensor | None, extent: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward_fused(
+        self,
+        x: Tensor,
+        h: Tensor,
+        next_norm: RMSNorm,
+        cos: Tensor,
+        sin: Tensor,
+        slots: Tensor,
+        mask: Tensor,
+        rows: Tensor | None,
+        extent: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
         """The Triton path: each residual add is fused with the RMSNorm that follows it (this layer's
         post-attention norm, then the next layer's input norm or the final norm), so the layer takes
         the residual x and its normed h and returns the pair for the next one. Attention and MLP outputs
@@ -305,7 +351,10 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        # a ModuleList; declared as a list of its item type, which ModuleList (not generic) can't say
+        self.layers: list[DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
+            DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -322,7 +371,7 @@ class Transformer(nn.Module):
         )
         self.max_batch = self.max_slots = 0
         self.kv_storage: Tensor | None = None  # [layers, 2 (k, v), batch, kv heads, slots + 1, head dim]
-        self.tp = None  # parallel.TensorParallel once sharded
+        self.tp: TensorParallel | None = None  # set once sharded
         self.kernels = False  # Triton kernels in the forward, see fuse()
 
     def _apply(self, fn, recurse=True):
@@ -344,8 +393,10 @@ class Transformer(nn.Module):
             from .kernels import available
 
             if not available(self.lm_head.weight.device):
-                raise RuntimeError(f"Triton kernels need triton and a CUDA device (model is on "
-                                   f"{self.lm_head.weight.device}; on CPU only under TRITON_INTERPRET=1)")
+                raise RuntimeError(
+                    f"Triton kernels need triton and a CUDA device (model is on "
+                    f"{self.lm_head.weight.device}; on CPU only under TRITON_INTERPRET=1)"
+                )
         self.kernels = kernels
         for layer in self.model.layers:
             if layer.self_attn.wqkv is None:
@@ -356,13 +407,16 @@ class Transformer(nn.Module):
     def setup_caches(self, max_batch: int, max_slots: int) -> None:
         p = self.lm_head.weight
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
-        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(p.device)
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(
+            p.device
+        )
         n_kv, hd = self.model.layers[0].self_attn.n_kv, self.config.head_dim  # this rank's KV heads
         self.kv_storage = None  # free the old cache before allocating the new one
         for layer in self.model.layers:
             layer.self_attn.kv_cache = None
-        self.kv_storage = torch.zeros(len(self.model.layers), 2, max_batch, n_kv, max_slots + 1, hd,
-                                      dtype=p.dtype, device=p.device)
+        self.kv_storage = torch.zeros(
+            len(self.model.layers), 2, max_batch, n_kv, max_slots + 1, hd, dtype=p.dtype, device=p.device
+        )
         for i, layer in enumerate(self.model.layers):  # indexing, not unbind: its views can't be written under autograd
             layer.self_attn.kv_cache = KVCache(max_batch, n_kv, max_slots, hd, p.dtype, p.device, self.kv_storage[i])
         self.max_batch, self.max_slots = max_batch, max_slots
@@ -407,7 +461,9 @@ class Transformer(nn.Module):
         layers = self.model.layers
         if self.kernels and len(layers):
             bs, T = tokens.shape
-            extent = kernels.mask_extent(mask.expand(bs, 1, T, mask.shape[-1])) if kernels.attention_applies(bs, T) else None
+            extent = (
+                kernels.mask_extent(mask.expand(bs, 1, T, mask.shape[-1])) if kernels.attention_applies(bs, T) else None
+            )
             h = layers[0].input_layernorm(x)
             for i, layer in enumerate(layers):
                 next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
@@ -424,7 +480,7 @@ class Transformer(nn.Module):
         return (self.logits(h) if logits else h), tapped
 
     @classmethod
-    def from_pretrained(cls, folder, dtype: torch.dtype = torch.float32, device="cpu") -> "Transformer":
+    def from_pretrained(cls, folder, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
         """Load an HF-layout folder (config.json + safetensors, sharded or not)."""
         from .loading import load_config, load_state_dict
 
@@ -437,7 +493,9 @@ class Transformer(nn.Module):
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
-            raise ValueError(f"checkpoint {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise ValueError(
+                f"checkpoint {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.inv_freq = torch.empty(0)  # set by setup_caches

@@ -24,6 +24,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,12 +54,19 @@ class TensorParallel:
 
 def check_divisible(cfg, world: int, what: str = "the model") -> None:
     """Refuse a split that does not divide the model (or drafter) evenly, naming every offending size."""
-    sizes = {"attention heads": cfg.num_attention_heads, "KV heads": cfg.num_key_value_heads,
-             "MLP width": cfg.intermediate_size, "vocabulary": cfg.vocab_size}
+    sizes = {
+        "attention heads": cfg.num_attention_heads,
+        "KV heads": cfg.num_key_value_heads,
+        "MLP width": cfg.intermediate_size,
+        "vocabulary": cfg.vocab_size,
+    }
     bad = [f"{n} {name}" for name, n in sizes.items() if n % world]
     if bad:
-        raise ValueError(f"tensor parallel {world} does not divide {what}: " + ", ".join(bad)
-                         + f" (each must be a multiple of {world})")
+        raise ValueError(
+            f"tensor parallel {world} does not divide {what}: "
+            + ", ".join(bad)
+            + f" (each must be a multiple of {world})"
+        )
 
 
 def split(target: Transformer, drafter, rank: int, world: int, replicate_drafter: bool = False) -> str:
@@ -112,8 +120,14 @@ def shard_drafter(drafter, tp: TensorParallel) -> None:
     cfg, world = drafter.config, tp.world
     check_divisible(cfg, world, "the drafter")
     for layer in drafter.layers:
-        _shard_attention_mlp(layer.self_attn, layer.mlp, tp, cfg.num_attention_heads // world,
-                             cfg.num_key_value_heads // world, cfg.intermediate_size // world)
+        _shard_attention_mlp(
+            layer.self_attn,
+            layer.mlp,
+            tp,
+            cfg.num_attention_heads // world,
+            cfg.num_key_value_heads // world,
+            cfg.intermediate_size // world,
+        )
 
 
 @torch.no_grad()
@@ -124,8 +138,14 @@ def shard(model: Transformer, rank: int, world: int) -> Transformer:
     tp = TensorParallel(rank, world)
     model.fuse_off()  # the fused views point at the full weights; the Engine fuses the shards again
     for layer in model.model.layers:
-        _shard_attention_mlp(layer.self_attn, layer.mlp, tp, cfg.num_attention_heads // world,
-                             cfg.num_key_value_heads // world, cfg.intermediate_size // world)
+        _shard_attention_mlp(
+            layer.self_attn,
+            layer.mlp,
+            tp,
+            cfg.num_attention_heads // world,
+            cfg.num_key_value_heads // world,
+            cfg.intermediate_size // world,
+        )
     vocab = cfg.vocab_size // world
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     _keep_rows(model.model.embed_tokens.weight, rank, vocab)
@@ -172,8 +192,13 @@ def leave_group(engine=None) -> None:
 
 def _local_env(rank: int, world: int, port: int) -> dict[str, str]:
     """torchrun-style variables for a group of processes on this host, talking over the loopback device."""
-    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
     if sys.platform == "linux" and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the address the host name resolves to
     return env
@@ -209,8 +234,14 @@ def start_followers(world: int, fn, *args, device_type: str = "cpu") -> list:
 
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_follower_main, args=(rank, world, port, device_type, os.getpid(), fn, args),
-                         name=f"ddtree-rank-{rank}") for rank in range(1, world)]
+    procs = [
+        ctx.Process(
+            target=_follower_main,
+            args=(rank, world, port, device_type, os.getpid(), fn, args),
+            name=f"ddtree-rank-{rank}",
+        )
+        for rank in range(1, world)
+    ]
     for p in procs:
         p.start()
     os.environ.update(_local_env(0, world, port))
@@ -268,7 +299,7 @@ class Leader:
     (ENGINE_CALLS) to the followers, then makes it on the local shard. Anything else (host_lengths,
     budget, check_request, ...) reads the local engine. Used from one thread at a time."""
 
-    def __init__(self, engine, group):
+    def __init__(self, engine, group) -> None:
         self.engine, self.group = engine, group
         self.failed: BaseException | None = None
 
@@ -318,8 +349,9 @@ class Leader:
             raise
         except Exception as exc:
             self.failed = exc
-            raise RankFailure(f"{name} failed on rank 0, the ranks are out of step: "
-                              f"{type(exc).__name__}: {exc}") from exc
+            raise RankFailure(
+                f"{name} failed on rank 0, the ranks are out of step: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def follow(engine, group) -> None:
@@ -327,7 +359,7 @@ def follow(engine, group) -> None:
     refused request) happens on rank 0 as well, at the same point, so it is skipped; any other error
     ends this rank (and so breaks the group: rank 0 fails its next call)."""
     while True:
-        box = [None]
+        box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=group)
         name, args, kwargs = box[0]
         if name == "stop":

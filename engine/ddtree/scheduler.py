@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .engine import SamplingParams
@@ -59,7 +59,7 @@ class IncrementalDetokenizer:
     few prompt tokens seed the window so that tokenizers whose pieces depend on the previous token
     (SentencePiece leading spaces) decode the first generated token correctly."""
 
-    def __init__(self, tokenizer, context: list[int] = ()):
+    def __init__(self, tokenizer, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
         ctx = list(context[-4:])
         if ctx and self._decode(ctx).endswith("\ufffd"):
@@ -96,8 +96,9 @@ _ids = itertools.count()
 class Request:
     """One generation request as the scheduler sees it."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: list[str] | None,
-                 sink: Callable[[Event], None]):
+    def __init__(
+        self, prompt_ids: list[int], params: SamplingParams, stop: list[str] | None, sink: Callable[[Event], None]
+    ):
         self.id = next(_ids)
         self.prompt_ids = prompt_ids
         self.params = params
@@ -161,8 +162,10 @@ class Scheduler:
             if self._stopping or self._thread is None or not self._thread.is_alive():
                 raise NotRunning("the engine is not running")
             if len(self._waiting) >= self.max_waiting + self._free:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting for one of "
-                                f"{self.engine.max_batch_size} slots; retry later")
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are already waiting for one of "
+                    f"{self.engine.max_batch_size} slots; retry later"
+                )
             self._waiting.append(req)
             self.metrics.requests_waiting.set(len(self._waiting))
             self._cv.notify_all()
@@ -198,8 +201,12 @@ class Scheduler:
             with self._cv:
                 self._stopping = True
         finally:
-            self._fail_all(503, "the server is shutting down" if self.error is None
-                           else f"engine failure: {type(self.error).__name__}: {self.error}")
+            self._fail_all(
+                503,
+                "the server is shutting down"
+                if self.error is None
+                else f"engine failure: {type(self.error).__name__}: {self.error}",
+            )
 
     def _loop(self) -> None:
         engine = self.engine

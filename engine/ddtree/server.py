@@ -46,12 +46,17 @@ from .config import FLAGS, EngineConfig
 log = logging.getLogger("ddtree.server")
 
 SMOKE_FAULTS = ("corrupt-graph-input",)
-SMOKE_TEXTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time",
-               "import numpy as np\n"]
+SMOKE_TEXTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time", "import numpy as np\n"]
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-               503: "service_unavailable"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -60,8 +65,9 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: 
 class APIError(Exception):
     """An error answered with an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, type_: str | None = None, param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self, status: int, message: str, type_: str | None = None, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -111,9 +117,18 @@ def _get_bool(body: dict, key: str, default: bool = False) -> bool:
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     """Fields we cannot honour are refused rather than silently ignored (their neutral values pass)."""
-    neutral = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-               "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "logit_bias": (None, {})}
+    neutral = {
+        "logprobs": (None, False, 0),
+        "top_logprobs": (None, 0),
+        "echo": (None, False),
+        "best_of": (None, 1),
+        "presence_penalty": (None, 0, 0.0),
+        "frequency_penalty": (None, 0, 0.0),
+        "suffix": (None, ""),
+        "tools": (None, []),
+        "functions": (None, []),
+        "logit_bias": (None, {}),
+    }
     for key, ok in neutral.items():
         v = body.get(key)
         if isinstance(v, (list, dict)):
@@ -130,8 +145,9 @@ class Sampling:
     """The validated generation fields of a request (prompt and max_tokens default aside)."""
 
     def __init__(self, body: dict, chat: bool, engine_budget: int):
-        self.max_tokens = _get_int(body, "max_completion_tokens" if chat and body.get("max_tokens") is None
-                                   else "max_tokens")
+        self.max_tokens = _get_int(
+            body, "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
+        )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise _bad(f"'max_tokens' must be >= 1, got {self.max_tokens}", "max_tokens")
         self.temperature = _get_float(body, "temperature", 1.0)
@@ -322,8 +338,15 @@ class EngineServer:
         self.metrics.smoke_test_passed.set(1)
         self.reason = report.reason
         self.phase = "ready"
-        log.info("%s; ready to serve %s (%s, budget %s, %d slots x %d tokens)", report.reason, self.name,
-                 config.speculation.method, engine.budget, engine.max_batch_size, engine.max_seq_len)
+        log.info(
+            "%s; ready to serve %s (%s, budget %s, %d slots x %d tokens)",
+            report.reason,
+            self.name,
+            config.speculation.method,
+            engine.budget,
+            engine.max_batch_size,
+            engine.max_seq_len,
+        )
 
     def _fail(self, reason: str) -> None:
         self.phase, self.reason, self.exit_code = "failed", reason, 1
@@ -356,8 +379,9 @@ class EngineServer:
         if clean:  # NCCL's teardown waits for every rank: leave together with the followers, then join them
             from .parallel import leave_group
 
-            leaving = threading.Thread(target=leave_group, args=(self.leader.engine,), name="ddtree-leave-group",
-                                       daemon=True)
+            leaving = threading.Thread(
+                target=leave_group, args=(self.leader.engine,), name="ddtree-leave-group", daemon=True
+            )
             leaving.start()
         for p in self.followers:
             p.join(timeout if clean else 5.0)
@@ -429,8 +453,11 @@ class EngineServer:
 
         if self.phase == "ready" and not self._engine_failed():
             return web.json_response(self.report.to_json())
-        body = {"ready": False, "status": "engine_failed" if self._engine_failed() else self.phase,
-                "reason": str(self.scheduler.error) if self._engine_failed() else self.reason}
+        body = {
+            "ready": False,
+            "status": "engine_failed" if self._engine_failed() else self.phase,
+            "reason": str(self.scheduler.error) if self._engine_failed() else self.reason,
+        }
         if self.report is not None:
             body["smoke_report"] = self.report.to_json()
         return web.json_response(body, status=503)
@@ -446,10 +473,21 @@ class EngineServer:
     async def models(self, request):
         from aiohttp import web
 
-        return web.json_response({"object": "list", "data": [{
-            "id": self.name, "object": "model", "created": self.created, "owned_by": "ddtree",
-            "root": self.config.model.id, "max_model_len": self.config.serving.seq_len,
-        }]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "ddtree",
+                        "root": self.config.model.id,
+                        "max_model_len": self.config.serving.seq_len,
+                    }
+                ],
+            }
+        )
 
     async def completions(self, request):
         return await self._generate(request, chat=False)
@@ -469,8 +507,12 @@ class EngineServer:
         if model is not None and not isinstance(model, str):
             raise _bad("'model' must be a string", "model")
         if model is not None and model != self.name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.name}'",
+                param="model",
+                code="model_not_found",
+            )
         return body
 
     def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
@@ -510,17 +552,26 @@ class EngineServer:
         prompt = self._prompt_ids(body, chat)
         limit = self.config.serving.seq_len
         if len(prompt) >= limit:
-            raise _bad(f"the prompt has {len(prompt)} tokens; this server's context is {limit} tokens "
-                       f"(prompt + max_tokens)", "prompt" if not chat else "messages")
+            raise _bad(
+                f"the prompt has {len(prompt)} tokens; this server's context is {limit} tokens (prompt + max_tokens)",
+                "prompt" if not chat else "messages",
+            )
         # defaults: OpenAI's 16 for completions, the rest of the context for chat
         max_tokens = s.max_tokens if s.max_tokens is not None else limit - len(prompt)
         if s.max_tokens is None and not chat:
             max_tokens = min(16, max_tokens)
         if len(prompt) + max_tokens > limit:
-            raise _bad(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                       f"{limit} tokens", "max_tokens")
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                                stop_token_ids=() if s.ignore_eos else self.stop_token_ids)
+            raise _bad(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
+                "max_tokens",
+            )
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop_token_ids=() if s.ignore_eos else self.stop_token_ids,
+        )
         try:
             self.engine.check_request(prompt, params)
         except ValueError as exc:
@@ -528,6 +579,7 @@ class EngineServer:
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+
         def sink(ev) -> None:  # called on the engine thread
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, ev)
@@ -567,14 +619,24 @@ class EngineServer:
                 break
         text = "".join(parts)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": ev.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": ev.finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
-        return web.json_response({
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.name, "choices": [choice], "usage": self._usage(req, ev.completion_tokens),
-        })
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": [choice],
+                "usage": self._usage(req, ev.completion_tokens),
+            }
+        )
 
     async def _stream(self, request, req, queue, rid: str, chat: bool, include_usage: bool):
         from aiohttp import web
@@ -613,8 +675,16 @@ class EngineServer:
                 if ev.finish_reason is not None:
                     await send(chunk(None, ev.finish_reason))
                     if include_usage:
-                        await send({"id": rid, "object": obj, "created": created, "model": self.name, "choices": [],
-                                    "usage": self._usage(req, ev.completion_tokens)})
+                        await send(
+                            {
+                                "id": rid,
+                                "object": obj,
+                                "created": created,
+                                "model": self.name,
+                                "choices": [],
+                                "usage": self._usage(req, ev.completion_tokens),
+                            }
+                        )
                     break
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
@@ -706,16 +776,16 @@ def cmd_serve(args) -> int:
     config = serve_config(args)
     rank, world, spawn_followers = _tensor_parallel(config)
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                            stream=sys.stderr)
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        )
     if rank > 0:  # a torchrun process other than rank 0
         return serve_follower(rank, world, config)
     server = EngineServer(config, world, smoke_fault=args.smoke_fault)
     if spawn_followers:
         from .parallel import start_followers
 
-        server.followers = start_followers(world, serve_follower, config,
-                                           device_type=config.model.device.split(":")[0])
+        server.followers = start_followers(world, serve_follower, config, device_type=config.model.device.split(":")[0])
     try:
         code = asyncio.run(_serve(server))
     finally:
@@ -735,11 +805,21 @@ def cmd_bench_serve(args) -> int:
     prompts = None
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as f:
-            prompts = [json.loads(line) if line.lstrip().startswith('"') else line.rstrip("\n") for line in f
-                       if line.strip()]
-    results = asyncio.run(bench_serve(args.url, levels, args.requests_per_client, args.max_tokens, prompts,
-                                      chat=not args.completions, temperature=args.temperature,
-                                      ignore_eos=not args.no_ignore_eos))
+            prompts = [
+                json.loads(line) if line.lstrip().startswith('"') else line.rstrip("\n") for line in f if line.strip()
+            ]
+    results = asyncio.run(
+        bench_serve(
+            args.url,
+            levels,
+            args.requests_per_client,
+            args.max_tokens,
+            prompts,
+            chat=not args.completions,
+            temperature=args.temperature,
+            ignore_eos=not args.no_ignore_eos,
+        )
+    )
     for r in results:
         print(json.dumps(r) if args.json else _bench_line(r))
     return 0 if all(r["errors"] == 0 for r in results) else 1
@@ -751,24 +831,34 @@ def register(subparsers, bench: bool = True) -> None:
     add_model_flags(p)  # --config, --model, --drafter, --method, --budget
     p.add_argument("--host", default=UNSET, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=UNSET, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--max-batch-size", type=int, default=UNSET,
-                   help="engine slots = concurrently running requests (default 8)")
-    p.add_argument("--max-seq-len", type=int, default=UNSET,
-                   help="per-request context: prompt + max_tokens (default 2048)")
-    p.add_argument("--max-waiting", type=int, default=UNSET,
-                   help="queued requests beyond the slots before 429 (default 4 x slots)")
+    p.add_argument(
+        "--max-batch-size", type=int, default=UNSET, help="engine slots = concurrently running requests (default 8)"
+    )
+    p.add_argument(
+        "--max-seq-len", type=int, default=UNSET, help="per-request context: prompt + max_tokens (default 2048)"
+    )
+    p.add_argument(
+        "--max-waiting", type=int, default=UNSET, help="queued requests beyond the slots before 429 (default 4 x slots)"
+    )
     p.add_argument("--served-model-name", default=UNSET, help="model name in the API (default: the --model value)")
     add_device_flags(p)
-    p.add_argument("--batch-buckets", default=UNSET, help="batch sizes for CUDA graphs and the smoke test, e.g. "
-                                                          "1,2,4,8 (default: powers of two up to --max-batch-size)")
-    p.add_argument("--no-graphs", action="store_true", default=UNSET,
-                   help="run rounds eagerly (no CUDA graph capture)")
-    p.add_argument("--termination-log", default=UNSET, help="file for the start-up failure reason "
-                                                            "(default /dev/termination-log when it exists)")
+    p.add_argument(
+        "--batch-buckets",
+        default=UNSET,
+        help="batch sizes for CUDA graphs and the smoke test, e.g. "
+        "1,2,4,8 (default: powers of two up to --max-batch-size)",
+    )
+    p.add_argument("--no-graphs", action="store_true", default=UNSET, help="run rounds eagerly (no CUDA graph capture)")
+    p.add_argument(
+        "--termination-log",
+        default=UNSET,
+        help="file for the start-up failure reason (default /dev/termination-log when it exists)",
+    )
     p.add_argument("--revision", default=UNSET, help="hub revision of --model (branch, tag or commit)")
     p.add_argument("--drafter-revision", default=UNSET, help="hub revision of --drafter")
-    p.add_argument("--block-size", type=int, default=UNSET,
-                   help="expected drafter block size (checked against the drafter)")
+    p.add_argument(
+        "--block-size", type=int, default=UNSET, help="expected drafter block size (checked against the drafter)"
+    )
     add_parallel_flags(p)
     p.add_argument("--kernels", choices=KERNEL_CHOICES, default=UNSET, help=KERNELS_HELP)
     p.add_argument("--smoke-fault", choices=list(SMOKE_FAULTS), help=argparse.SUPPRESS)  # tests only
@@ -782,8 +872,11 @@ def register(subparsers, bench: bool = True) -> None:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--completions", action="store_true", help="raw prompts to /v1/completions (default: chat)")
-    b.add_argument("--no-ignore-eos", action="store_true",
-                   help="let requests stop at EOS (default: every request generates exactly --max-tokens)")
+    b.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let requests stop at EOS (default: every request generates exactly --max-tokens)",
+    )
     b.add_argument("--prompts-file", help="one prompt per line (or one JSON string per line)")
     b.add_argument("--json", action="store_true", help="one JSON object per concurrency level")
     b.set_defaults(func=cmd_bench_serve)
@@ -799,7 +892,7 @@ BENCH_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "List ten tips for writing clear technical documentation.",
     "Describe the water cycle to a ten-year-old.",
-    "def quicksort(xs):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
+    'def quicksort(xs):\n    """Sort a list with quicksort."""\n',
     "Translate to French: The weather is nice today and we are going to the beach.",
     "Explain what a transformer neural network is and why attention matters.",
     "Give a step-by-step recipe for pancakes.",
@@ -818,10 +911,17 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
 
 
-async def _bench_one(session, url: str, model: str, prompt: str, max_tokens: int, chat: bool,
-                     temperature: float, ignore_eos: bool) -> dict:
-    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+async def _bench_one(
+    session, url: str, model: str, prompt: str, max_tokens: int, chat: bool, temperature: float, ignore_eos: bool
+) -> dict:
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -851,9 +951,17 @@ async def _bench_one(session, url: str, model: str, prompt: str, max_tokens: int
     return {"status": status, "latency": time.perf_counter() - t0, "ttft": ttft, "tokens": tokens}
 
 
-async def bench_serve(url: str, concurrencies=(1, 8, 32, 64), requests_per_client: int = 4, max_tokens: int = 128,
-                      prompts: list[str] | None = None, chat: bool = True, temperature: float = 0.0,
-                      ignore_eos: bool = True, timeout: float = 3600.0) -> list[dict]:
+async def bench_serve(
+    url: str,
+    concurrencies=(1, 8, 32, 64),
+    requests_per_client: int = 4,
+    max_tokens: int = 128,
+    prompts: list[str] | None = None,
+    chat: bool = True,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    timeout: float = 3600.0,
+) -> list[dict]:
     """Drive a running server with `c` closed-loop clients per level (each sends requests_per_client
     streaming requests back to back). Per level: throughput, latency percentiles, and, from /metrics
     deltas, the time per round inside engine.step versus the scheduler's wall time per round (the
@@ -892,8 +1000,9 @@ async def bench_serve(url: str, concurrencies=(1, 8, 32, 64), requests_per_clien
             async def client(i: int, records: list[dict] = records) -> None:
                 for k in range(requests_per_client):
                     prompt = prompts[(i * requests_per_client + k) % len(prompts)]
-                    records.append(await _bench_one(session, url, model, prompt, max_tokens, chat, temperature,
-                                                    ignore_eos))
+                    records.append(
+                        await _bench_one(session, url, model, prompt, max_tokens, chat, temperature, ignore_eos)
+                    )
 
             t0 = time.perf_counter()
             await asyncio.gather(*(client(i) for i in range(c)))
@@ -917,35 +1026,45 @@ async def bench_serve(url: str, concurrencies=(1, 8, 32, 64), requests_per_clien
             prefill_ms = 1e3 * d("ddtree_prefill_seconds_sum") / rounds if rounds else float("nan")
             drafts = d("ddtree_spec_decode_num_drafts_total")
             tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["ttft"] and r["tokens"] > 1]
-            results.append({
-                "concurrency": c, "requests": len(records), "errors": len(records) - len(ok),
-                "error_statuses": sorted({str(r["status"]) for r in records if r["status"] != 200}),
-                "duration_s": round(wall, 3), "requests_per_s": round(len(ok) / wall, 3),
-                "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 2),
-                "latency_p50_s": round(_pct([r["latency"] for r in ok], 50), 4),
-                "latency_p90_s": round(_pct([r["latency"] for r in ok], 90), 4),
-                "latency_p99_s": round(_pct([r["latency"] for r in ok], 99), 4),
-                "ttft_p50_s": round(_pct([r["ttft"] for r in ok if r["ttft"]], 50), 4),
-                "ttft_p99_s": round(_pct([r["ttft"] for r in ok if r["ttft"]], 99), 4),
-                "tpot_mean_ms": round(1e3 * sum(tpot) / len(tpot), 3) if tpot else float("nan"),
-                "acceptance_length": round(1 + d("ddtree_spec_decode_num_accepted_tokens_total") / drafts, 3)
-                if drafts else float("nan"),
-                "rounds": int(rounds), "mean_batch": round(drafts / rounds, 2) if rounds else float("nan"),
-                "engine_step_ms_per_round": round(step_ms, 3),
-                "prefill_ms_per_round": round(prefill_ms, 3),
-                "wall_ms_per_round": round(iter_ms, 3),
-                "serving_overhead_ms_per_round": round(iter_ms - step_ms - prefill_ms, 3),
-            })
+            results.append(
+                {
+                    "concurrency": c,
+                    "requests": len(records),
+                    "errors": len(records) - len(ok),
+                    "error_statuses": sorted({str(r["status"]) for r in records if r["status"] != 200}),
+                    "duration_s": round(wall, 3),
+                    "requests_per_s": round(len(ok) / wall, 3),
+                    "output_tokens": tokens,
+                    "output_tokens_per_s": round(tokens / wall, 2),
+                    "latency_p50_s": round(_pct([r["latency"] for r in ok], 50), 4),
+                    "latency_p90_s": round(_pct([r["latency"] for r in ok], 90), 4),
+                    "latency_p99_s": round(_pct([r["latency"] for r in ok], 99), 4),
+                    "ttft_p50_s": round(_pct([r["ttft"] for r in ok if r["ttft"]], 50), 4),
+                    "ttft_p99_s": round(_pct([r["ttft"] for r in ok if r["ttft"]], 99), 4),
+                    "tpot_mean_ms": round(1e3 * sum(tpot) / len(tpot), 3) if tpot else float("nan"),
+                    "acceptance_length": round(1 + d("ddtree_spec_decode_num_accepted_tokens_total") / drafts, 3)
+                    if drafts
+                    else float("nan"),
+                    "rounds": int(rounds),
+                    "mean_batch": round(drafts / rounds, 2) if rounds else float("nan"),
+                    "engine_step_ms_per_round": round(step_ms, 3),
+                    "prefill_ms_per_round": round(prefill_ms, 3),
+                    "wall_ms_per_round": round(iter_ms, 3),
+                    "serving_overhead_ms_per_round": round(iter_ms - step_ms - prefill_ms, 3),
+                }
+            )
     return results
 
 
 def _bench_line(r: dict) -> str:
-    return (f"c={r['concurrency']:<3} req={r['requests']} err={r['errors']} {r['output_tokens_per_s']:.1f} tok/s "
-            f"{r['requests_per_s']:.2f} req/s  latency p50/p99 {r['latency_p50_s']:.3f}/{r['latency_p99_s']:.3f}s  "
-            f"ttft p50/p99 {r['ttft_p50_s']:.3f}/{r['ttft_p99_s']:.3f}s  tpot {r['tpot_mean_ms']:.1f}ms  "
-            f"accept {r['acceptance_length']}  round: step {r['engine_step_ms_per_round']:.2f}ms + prefill "
-            f"{r['prefill_ms_per_round']:.2f}ms + overhead {r['serving_overhead_ms_per_round']:.2f}ms = "
-            f"{r['wall_ms_per_round']:.2f}ms (batch {r['mean_batch']})")
+    return (
+        f"c={r['concurrency']:<3} req={r['requests']} err={r['errors']} {r['output_tokens_per_s']:.1f} tok/s "
+        f"{r['requests_per_s']:.2f} req/s  latency p50/p99 {r['latency_p50_s']:.3f}/{r['latency_p99_s']:.3f}s  "
+        f"ttft p50/p99 {r['ttft_p50_s']:.3f}/{r['ttft_p99_s']:.3f}s  tpot {r['tpot_mean_ms']:.1f}ms  "
+        f"accept {r['acceptance_length']}  round: step {r['engine_step_ms_per_round']:.2f}ms + prefill "
+        f"{r['prefill_ms_per_round']:.2f}ms + overhead {r['serving_overhead_ms_per_round']:.2f}ms = "
+        f"{r['wall_ms_per_round']:.2f}ms (batch {r['mean_batch']})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,8 @@
 For every batch size it runs fixed prompts through the engine's fast path (captured CUDA graphs on a
 GPU; on CPU the same batched rounds without graphs) and compares with an eager reference that runs
 each prompt alone under the same round plan (budget): committed tokens must be identical and the
-target's first-round logits (the root node's maximum logit) must agree within a stated tolerance. It also checks that rounds accept
-tokens (acceptance length >= a floor) and that no eager fallback happened.
+target's first-round logits (the root node's maximum logit) must agree within a stated tolerance. It
+also checks that rounds accept tokens (acceptance length >= a floor) and that no eager fallback happened.
 """
 
 from __future__ import annotations
@@ -71,8 +71,14 @@ def _run(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
 
 
 @torch.inference_mode()
-def run_smoke(engine: Engine, batch_sizes: list[int], prompts: list[list[int]] | None = None,
-              max_new_tokens: int = 8, min_acceptance: float = 1.0, fault: str | None = None) -> SmokeReport:
+def run_smoke(
+    engine: Engine,
+    batch_sizes: list[int],
+    prompts: list[list[int]] | None = None,
+    max_new_tokens: int = 8,
+    min_acceptance: float = 1.0,
+    fault: str | None = None,
+) -> SmokeReport:
     start = time.perf_counter()
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"unknown smoke fault '{fault}' (known: {', '.join(FAULTS)})")
@@ -83,8 +89,12 @@ def run_smoke(engine: Engine, batch_sizes: list[int], prompts: list[list[int]] |
     tol = tolerance(dtype)
     graphs = engine.graphs
     report = SmokeReport(
-        passed=False, reason="", mode="cuda-graphs" if graphs else "eager", batch_sizes=list(batch_sizes),
-        logit_tolerance=tol, captured=graphs.captured() if graphs else [],
+        passed=False,
+        reason="",
+        mode="cuda-graphs" if graphs else "eager",
+        batch_sizes=list(batch_sizes),
+        logit_tolerance=tol,
+        captured=graphs.captured() if graphs else [],
         capture_seconds=graphs.capture_seconds if graphs else 0.0,
     )
 
@@ -129,13 +139,27 @@ def run_smoke(engine: Engine, batch_sizes: list[int], prompts: list[list[int]] |
                 ref_tokens, ref_first = reference[i % len(prompts)]
                 if got != ref_tokens:
                     pos = next(k for k, (a, c) in enumerate(zip(ref_tokens, got)) if a != c)
-                    report.mismatches.append({"batch": b, "prompt": i % len(prompts), "kind": "tokens",
-                                              "position": pos, "expected": ref_tokens[pos], "got": got[pos]})
+                    report.mismatches.append(
+                        {
+                            "batch": b,
+                            "prompt": i % len(prompts),
+                            "kind": "tokens",
+                            "position": pos,
+                            "expected": ref_tokens[pos],
+                            "got": got[pos],
+                        }
+                    )
                 diff = abs(first[i].item() - ref_first.item())
                 if not diff <= tol["atol"] + tol["rtol"] * abs(ref_first.item()):
-                    report.mismatches.append({"batch": b, "prompt": i % len(prompts), "kind": "logits",
-                                              "expected": round(ref_first.item(), 4),
-                                              "got": round(first[i].item(), 4)})
+                    report.mismatches.append(
+                        {
+                            "batch": b,
+                            "prompt": i % len(prompts),
+                            "kind": "logits",
+                            "expected": round(ref_first.item(), 4),
+                            "got": round(first[i].item(), 4),
+                        }
+                    )
     finally:
         if fault == "corrupt-graph-input":
             if graphs:
@@ -147,19 +171,27 @@ def run_smoke(engine: Engine, batch_sizes: list[int], prompts: list[list[int]] |
     eager_fast_path = graphs is not None and engine.eager_rounds != eager_before
     if report.mismatches:
         m = report.mismatches[0]
-        what = (f"token {m['position']} expected {m['expected']} got {m['got']}" if m["kind"] == "tokens"
-                else f"root logit expected {m['expected']} got {m['got']}")
-        report.reason = (f"smoke test failed: {len(report.mismatches)} mismatch(es) between {report.mode} and "
-                         f"eager; first at batch {m['batch']}, prompt {m['prompt']}: {what}")
+        what = (
+            f"token {m['position']} expected {m['expected']} got {m['got']}"
+            if m["kind"] == "tokens"
+            else f"root logit expected {m['expected']} got {m['got']}"
+        )
+        report.reason = (
+            f"smoke test failed: {len(report.mismatches)} mismatch(es) between {report.mode} and "
+            f"eager; first at batch {m['batch']}, prompt {m['prompt']}: {what}"
+        )
     elif report.fallbacks or eager_fast_path:
         report.reason = f"smoke test failed: {report.fallbacks or 'some'} round(s) fell back to eager execution"
     elif not math.isfinite(report.acceptance_length) or report.acceptance_length < min_acceptance:
-        report.reason = (f"smoke test failed: acceptance length {report.acceptance_length:.3f} below the "
-                         f"minimum {min_acceptance}")
+        report.reason = (
+            f"smoke test failed: acceptance length {report.acceptance_length:.3f} below the minimum {min_acceptance}"
+        )
     else:
         report.passed = True
-        report.reason = (f"smoke test passed: {report.mode}, batch sizes {batch_sizes}, "
-                         f"acceptance length {report.acceptance_length:.2f}")
+        report.reason = (
+            f"smoke test passed: {report.mode}, batch sizes {batch_sizes}, "
+            f"acceptance length {report.acceptance_length:.2f}"
+        )
     report.seconds = round(time.perf_counter() - start, 3)
     return report
 

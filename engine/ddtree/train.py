@@ -45,8 +45,18 @@ from .model import Transformer, apply_rope, rope_cos_sin, rope_inv_freq
 
 CHECKPOINT = "checkpoint"
 # TrainConfig fields that a resumed run may change (the rest is the recipe, fixed by the checkpoint)
-RESUMABLE = ("steps", "max_minutes", "eval_every", "eval_batches", "save_every", "log_every", "final_eval_prompts",
-             "final_eval_tokens", "final_eval_budget", "save_dtype")
+RESUMABLE = (
+    "steps",
+    "max_minutes",
+    "eval_every",
+    "eval_batches",
+    "save_every",
+    "log_every",
+    "final_eval_prompts",
+    "final_eval_tokens",
+    "final_eval_budget",
+    "save_dtype",
+)
 
 
 @dataclass
@@ -102,8 +112,9 @@ def copy_target_layers(drafter: DFlashDrafter, target: Transformer, layer_ids: l
     the identity on the deepest tap. A warm start: the drafter's output feeds the target's final norm
     and LM head, so copies of late target layers begin in the space that head reads."""
     if len(layer_ids) != len(drafter.layers):
-        raise ValueError(f"--init-from-target names {len(layer_ids)} target layers for {len(drafter.layers)} "
-                         "drafter layers")
+        raise ValueError(
+            f"--init-from-target names {len(layer_ids)} target layers for {len(drafter.layers)} drafter layers"
+        )
     bad = [i for i in layer_ids if not 0 <= i < len(target.model.layers)]
     if bad:
         raise ValueError(f"--init-from-target {bad} outside the target's {len(target.model.layers)} layers")
@@ -120,9 +131,14 @@ def copy_target_layers(drafter: DFlashDrafter, target: Transformer, layer_ids: l
 
 def make_drafter_config(target_cfg, cfg: TrainConfig) -> DrafterConfig:
     taps = cfg.taps or default_taps(target_cfg.num_hidden_layers, cfg.layers)
-    dcfg = DrafterConfig.for_target(target_cfg, num_layers=cfg.layers, block_size=cfg.block_size,
-                                    mask_token_id=cfg.mask_token_id, target_layer_ids=list(taps),
-                                    intermediate_size=cfg.intermediate_size)
+    dcfg = DrafterConfig.for_target(
+        target_cfg,
+        num_layers=cfg.layers,
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        target_layer_ids=list(taps),
+        intermediate_size=cfg.intermediate_size,
+    )
     dcfg.check_target(target_cfg)
     return dcfg
 
@@ -150,8 +166,9 @@ def _gen(*keys: int) -> torch.Generator:
     return torch.Generator().manual_seed(h)
 
 
-def build_batch(data: TokenData, seq_ids: list[int], anchors_per_seq: int, block_size: int, max_len: int,
-                gen: torch.Generator) -> Batch:
+def build_batch(
+    data: TokenData, seq_ids: list[int], anchors_per_seq: int, block_size: int, max_len: int, gen: torch.Generator
+) -> Batch:
     """Sequences seq_ids, each cut to max_len, with up to anchors_per_seq random anchors among
     positions a where a and a+1 are continuation tokens (prompt_len <= a <= len-2)."""
     seqs, plens = [], []
@@ -210,8 +227,14 @@ class Sampler:
         ids = []
         for j in range(step * B, (step + 1) * B):
             ids.append(self._epoch(j // n)[j % n])
-        return build_batch(self.data, ids, self.cfg.anchors_per_seq, self.cfg.block_size, self.cfg.max_len,
-                           _gen(self.cfg.seed, 2, step))
+        return build_batch(
+            self.data,
+            ids,
+            self.cfg.anchors_per_seq,
+            self.cfg.block_size,
+            self.cfg.max_len,
+            _gen(self.cfg.seed, 2, step),
+        )
 
     def eval_batches(self) -> list[Batch]:
         """Fixed held-out batches (the same at every evaluation, and across resumes)."""
@@ -221,8 +244,16 @@ class Sampler:
             chunk = ids[e * self.cfg.batch_size : (e + 1) * self.cfg.batch_size]
             if not chunk:
                 break
-            out.append(build_batch(self.data, chunk, self.cfg.anchors_per_seq, self.cfg.block_size,
-                                   self.cfg.max_len, _gen(self.cfg.seed, 3, e)))
+            out.append(
+                build_batch(
+                    self.data,
+                    chunk,
+                    self.cfg.anchors_per_seq,
+                    self.cfg.block_size,
+                    self.cfg.max_len,
+                    _gen(self.cfg.seed, 3, e),
+                )
+            )
         return out
 
 
@@ -249,8 +280,9 @@ def target_features(target: Transformer, tokens: Tensor, taps: list[int]) -> Ten
     return feats
 
 
-def block_hidden(drafter: DFlashDrafter, target: Transformer, features: Tensor, tokens: Tensor,
-                 anchors: Tensor) -> Tensor:
+def block_hidden(
+    drafter: DFlashDrafter, target: Transformer, features: Tensor, tokens: Tensor, anchors: Tensor
+) -> Tensor:
     """Drafter output (final-normed) [B, A, BS, H] for blocks [tokens[a], MASK...] at positions
     a..a+BS-1; block queries see context positions < a and their own block only."""
     cfg = drafter.config
@@ -270,7 +302,7 @@ def block_hidden(drafter: DFlashDrafter, target: Transformer, features: Tensor, 
     rope_ctx = rope_cos_sin(inv_freq, ctx_pos, x.dtype)
     ctx = drafter.hidden_norm(drafter.fc(features))
     # mask over [T context keys ; N block keys]: context j < anchor, block keys of the same anchor
-    see_ctx = (ctx_pos[:, None, :] < anchors[..., None])  # [B, A, T]
+    see_ctx = ctx_pos[:, None, :] < anchors[..., None]  # [B, A, T]
     see_ctx = see_ctx[:, :, None, :].expand(B, A, BS, T).reshape(B, N, T)
     blk_id = torch.arange(N, device=dev) // BS
     see_blk = (blk_id[:, None] == blk_id[None, :]).expand(B, N, N)
@@ -299,8 +331,9 @@ def position_weights(block_size: int, gamma: float, device=None) -> Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
-def block_loss(drafter: DFlashDrafter, target: Transformer, batch: Batch, gamma: float,
-               features: Tensor | None = None) -> dict:
+def block_loss(
+    drafter: DFlashDrafter, target: Transformer, batch: Batch, gamma: float, features: Tensor | None = None
+) -> dict:
     """Weighted cross-entropy of the block slots 1..BS-1, plus the greedy-chain acceptance estimate
     (leading slots whose argmax equals the target's token, +1) per valid anchor."""
     cfg = drafter.config
@@ -320,13 +353,22 @@ def block_loss(drafter: DFlashDrafter, target: Transformer, batch: Batch, gamma:
         valid = batch.anchor_valid
         acc_len = accepted[valid].float().mean() if valid.any() else torch.tensor(1.0)
         top1 = (correct.sum() / sel.sum().clamp(min=1)).float()
-    return {"loss": loss, "acc_len": acc_len, "top1": top1, "rows": int(sel.sum()), "ce_sum": (ce * w).sum().detach(),
-            "w_sum": w.sum().detach(), "acc_sum": accepted[valid].sum().detach(), "anchors": int(valid.sum())}
+    return {
+        "loss": loss,
+        "acc_len": acc_len,
+        "top1": top1,
+        "rows": int(sel.sum()),
+        "ce_sum": (ce * w).sum().detach(),
+        "w_sum": w.sum().detach(),
+        "acc_sum": accepted[valid].sum().detach(),
+        "anchors": int(valid.sum()),
+    }
 
 
 @torch.no_grad()
-def evaluate(drafter: DFlashDrafter, target: Transformer, batches: list[Batch], gamma: float, device,
-             autocast: bool) -> dict:
+def evaluate(
+    drafter: DFlashDrafter, target: Transformer, batches: list[Batch], gamma: float, device, autocast: bool
+) -> dict:
     was_training = drafter.training
     drafter.eval()
     ce = w = acc = n = 0.0
@@ -476,9 +518,12 @@ def train_drafter(
 
     decay = [p for n, p in drafter.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in drafter.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
-                            fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        fused=dev.type == "cuda",
+    )
     if resume is not None:
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=dev, weights_only=True))
         rng = torch.load(ckpt / "rng.pt", weights_only=False)
@@ -500,9 +545,19 @@ def train_drafter(
     n_params = sum(p.numel() for p in drafter.parameters())
     if resume is None:
         manifest = {k: v for k, v in data.manifest.items() if k not in ("files", "held_out_files")}
-        write({"event": "start", "config": asdict(cfg), "drafter": dcfg.to_hf(), "params": n_params,
-               "data": manifest, "data_path": _relative_to(data_path, out), "target": target_name,
-               "device": device, "command": command})
+        write(
+            {
+                "event": "start",
+                "config": asdict(cfg),
+                "drafter": dcfg.to_hf(),
+                "params": n_params,
+                "data": manifest,
+                "data_path": _relative_to(data_path, out),
+                "target": target_name,
+                "device": device,
+                "command": command,
+            }
+        )
     else:
         write({"event": "resume", "step": start_step, "command": command})
 
@@ -513,16 +568,28 @@ def train_drafter(
     end_step = cfg.steps if until_step is None else min(cfg.steps, until_step)
     t_start = time.perf_counter()
     toks = 0
-    bar = tqdm(total=cfg.steps, initial=start_step, desc="train-drafter", unit="step", disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.steps, initial=start_step, desc="train-drafter", unit="step", disable=not progress, dynamic_ncols=True
+    )
     step = start_step
     stopped = "steps"
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(out / CHECKPOINT, drafter, opt, {
-            "step": step, "config": asdict(cfg), "elapsed": elapsed_before + time.perf_counter() - t_start,
-            "ema_acc": ema, "eval": best, "history": history[-200:], "target": target_name, "data": data_path,
-        })
+        save_checkpoint(
+            out / CHECKPOINT,
+            drafter,
+            opt,
+            {
+                "step": step,
+                "config": asdict(cfg),
+                "elapsed": elapsed_before + time.perf_counter() - t_start,
+                "ema_acc": ema,
+                "eval": best,
+                "history": history[-200:],
+                "target": target_name,
+                "data": data_path,
+            },
+        )
 
     try:
         while step < end_step:
@@ -549,9 +616,17 @@ def train_drafter(
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{ema:.2f}", lr=f"{lr:.1e}")
             if step % cfg.log_every == 0 or step == end_step:
                 el = time.perf_counter() - t_start
-                rec = {"step": step, "loss": round(loss, 5), "acc_len": round(acc, 4), "acc_len_ema": round(ema, 4),
-                       "top1": round(float(outd["top1"]), 4), "lr": lr, "grad_norm": round(float(gnorm), 4),
-                       "tokens_per_s": round(toks / max(el, 1e-9)), "elapsed": round(elapsed_before + el, 2)}
+                rec = {
+                    "step": step,
+                    "loss": round(loss, 5),
+                    "acc_len": round(acc, 4),
+                    "acc_len_ema": round(ema, 4),
+                    "top1": round(float(outd["top1"]), 4),
+                    "lr": lr,
+                    "grad_norm": round(float(gnorm), 4),
+                    "tokens_per_s": round(toks / max(el, 1e-9)),
+                    "elapsed": round(elapsed_before + el, 2),
+                }
                 history.append({"step": step, "loss": rec["loss"], "acc_len": rec["acc_len"]})
                 write(rec)
             if cfg.eval_every and step % cfg.eval_every == 0 and eval_set:
@@ -582,8 +657,9 @@ def train_drafter(
         write({"event": "final_eval", **result.final_eval})
     elapsed = elapsed_before + time.perf_counter() - t_start
     write({"event": "end", "step": step, "stopped": stopped, "elapsed": round(elapsed, 2)})
-    write_model_card(out, cfg, dcfg, n_params, data, result, history, elapsed, command, target_name,
-                     _relative_to(data_path, out))
+    write_model_card(
+        out, cfg, dcfg, n_params, data, result, history, elapsed, command, target_name, _relative_to(data_path, out)
+    )
     return result
 
 
@@ -603,22 +679,31 @@ def _short(items) -> str:
 
 
 def _dtype(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-            "float16": torch.float16, "fp16": torch.float16}[name]
+    return {
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }[name]
 
 
 def check_data(data: TokenData, target: Transformer) -> None:
     vocab = target.config.vocab_size
     mx = int(data.tokens.max()) if data.tokens.numel() else 0
     if mx >= vocab or data.manifest.get("vocab_size", vocab) != vocab:
-        raise ValueError(f"the training data was made for a vocabulary of {data.manifest.get('vocab_size', '?')} "
-                         f"tokens (max id {mx}), the target has {vocab}: regenerate it with `ddtree make-data "
-                         f"--target` for this target")
+        raise ValueError(
+            f"the training data was made for a vocabulary of {data.manifest.get('vocab_size', '?')} "
+            f"tokens (max id {mx}), the target has {vocab}: regenerate it with `ddtree make-data "
+            f"--target` for this target"
+        )
 
 
 @torch.no_grad()
-def measure_acceptance(target: Transformer, drafter: DFlashDrafter, data: TokenData, held_ids: list[int],
-                       cfg: TrainConfig) -> dict:
+def measure_acceptance(
+    target: Transformer, drafter: DFlashDrafter, data: TokenData, held_ids: list[int], cfg: TrainConfig
+) -> dict:
     """Real acceptance lengths of Engine dflash and ddtree (budget cfg.final_eval_budget), greedy,
     on the prompts of the first held-out sequences, plus whether both emit the `ar` tokens."""
     from .build import make_engine
@@ -637,15 +722,22 @@ def measure_acceptance(target: Transformer, drafter: DFlashDrafter, data: TokenD
     out = {"prompts": len(prompts), "max_new_tokens": cfg.final_eval_tokens}
     ref = None
     for method, budget in (("ar", None), ("dflash", None), ("ddtree", cfg.final_eval_budget)):
-        eng = make_engine(target, None if method == "ar" else d, SpeculationConfig(method, budget),
-                          max_batch_size=len(prompts), max_seq_len=max_seq)
+        eng = make_engine(
+            target,
+            None if method == "ar" else d,
+            SpeculationConfig(method, budget),
+            max_batch_size=len(prompts),
+            max_seq_len=max_seq,
+        )
         t0 = time.perf_counter()
         res = eng.generate(prompts, sp)
         secs = time.perf_counter() - t0
         key = method if method != "ddtree" else f"ddtree_b{budget}"
         ntok = sum(len(r.token_ids) for r in res)
-        out[key] = {"acceptance_length": round(sum(r.acceptance_length for r in res) / len(res), 4),
-                    "tokens_per_second": round(ntok / secs, 1)}
+        out[key] = {
+            "acceptance_length": round(sum(r.acceptance_length for r in res) / len(res), 4),
+            "tokens_per_second": round(ntok / secs, 1),
+        }
         if ref is None:
             ref = [r.token_ids for r in res]
         else:
@@ -653,61 +745,101 @@ def measure_acceptance(target: Transformer, drafter: DFlashDrafter, data: TokenD
     return out
 
 
-def write_model_card(out: Path, cfg: TrainConfig, dcfg: DrafterConfig, n_params: int, data: TokenData,
-                     result: TrainResult, history: list, elapsed: float, command: str | None,
-                     target_name: str | None, data_path: str | None) -> None:
+def write_model_card(
+    out: Path,
+    cfg: TrainConfig,
+    dcfg: DrafterConfig,
+    n_params: int,
+    data: TokenData,
+    result: TrainResult,
+    history: list,
+    elapsed: float,
+    command: str | None,
+    target_name: str | None,
+    data_path: str | None,
+) -> None:
     m = data.manifest
     recent = [h["loss"] for h in history[-10:]]
-    loss_line = (f"- final training loss (mean of the last logged steps): {sum(recent) / len(recent):.4f}"
-                 if recent else "- no logged steps")
+    loss_line = (
+        f"- final training loss (mean of the last logged steps): {sum(recent) / len(recent):.4f}"
+        if recent
+        else "- no logged steps"
+    )
     lines = [
         f"# DFlash drafter for {target_name or m.get('target', 'the target')}",
         "",
-        ("A block-diffusion drafter in the z-lab `DFlashDraftModel` layout (`config.json` + `model.safetensors`), "
-         "trained by `ddtree train-drafter` on the target's own continuations (self-distillation)."),
+        (
+            "A block-diffusion drafter in the z-lab `DFlashDraftModel` layout (`config.json` + `model.safetensors`), "
+            "trained by `ddtree train-drafter` on the target's own continuations (self-distillation)."
+        ),
         "",
         "## Drafter",
         "",
-        (f"- layers: {dcfg.num_hidden_layers}, hidden {dcfg.hidden_size}, intermediate {dcfg.intermediate_size}, "
-         f"heads {dcfg.num_attention_heads}/{dcfg.num_key_value_heads}"),
-        (f"- block size: {dcfg.block_size}, mask token id: {dcfg.mask_token_id}, "
-         f"target layer ids: {dcfg.target_layer_ids}"),
+        (
+            f"- layers: {dcfg.num_hidden_layers}, hidden {dcfg.hidden_size}, intermediate {dcfg.intermediate_size}, "
+            f"heads {dcfg.num_attention_heads}/{dcfg.num_key_value_heads}"
+        ),
+        (
+            f"- block size: {dcfg.block_size}, mask token id: {dcfg.mask_token_id}, "
+            f"target layer ids: {dcfg.target_layer_ids}"
+        ),
         f"- parameters: {n_params / 1e6:.2f} M ({cfg.save_dtype})",
         "",
         "## Data",
         "",
         f"- file: `{data_path}`" if data_path else "- in-memory data",
-        (f"- sequences: {m.get('num_train', '?')} train, {m.get('num_held_out', '?')} held out "
-         f"(held-out prompts come from held-out source files); kinds {m.get('kinds', {})}"),
-        (f"- tokens: {m.get('tokens', int(data.tokens.numel()))} ({m.get('continuation_tokens', '?')} continuation), "
-         f"sources {_short(m.get('sources', '?'))}, {m.get('num_files', '?')} files, "
-         f"temperature {m.get('temperature', '?')}, seed {m.get('seed', '?')}"),
+        (
+            f"- sequences: {m.get('num_train', '?')} train, {m.get('num_held_out', '?')} held out "
+            f"(held-out prompts come from held-out source files); kinds {m.get('kinds', {})}"
+        ),
+        (
+            f"- tokens: {m.get('tokens', int(data.tokens.numel()))} "
+            f"({m.get('continuation_tokens', '?')} continuation), "
+            f"sources {_short(m.get('sources', '?'))}, {m.get('num_files', '?')} files, "
+            f"temperature {m.get('temperature', '?')}, seed {m.get('seed', '?')}"
+        ),
         "",
         "## Training",
         "",
         f"- steps: {result.step} of {cfg.steps} (stopped by: {result.stopped}), {elapsed / 60:.1f} min",
-        (f"- batch {cfg.batch_size} sequences x {cfg.anchors_per_seq} anchors, lr {cfg.lr} (warmup {cfg.warmup}, "
-         f"cosine), AdamW betas {list(cfg.betas)}, weight decay {cfg.weight_decay}, grad clip {cfg.grad_clip}, "
-         f"gamma {cfg.gamma}, seed {cfg.seed}"),
+        (
+            f"- batch {cfg.batch_size} sequences x {cfg.anchors_per_seq} anchors, lr {cfg.lr} (warmup {cfg.warmup}, "
+            f"cosine), AdamW betas {list(cfg.betas)}, weight decay {cfg.weight_decay}, grad clip {cfg.grad_clip}, "
+            f"gamma {cfg.gamma}, seed {cfg.seed}"
+        ),
         loss_line,
     ]
     if cfg.init_from_target:
-        lines.insert(-1, f"- drafter layers initialised from target layers {cfg.init_from_target} (`--init-from-target`)")
+        lines.insert(
+            -1, f"- drafter layers initialised from target layers {cfg.init_from_target} (`--init-from-target`)"
+        )
     if result.eval:
-        lines.append(f"- held-out loss {result.eval['loss']:.4f}, held-out acceptance estimate (greedy chain, "
-                     f"bonus included) {result.eval['acc_len']:.3f} at step {result.eval['step']}")
+        lines.append(
+            f"- held-out loss {result.eval['loss']:.4f}, held-out acceptance estimate (greedy chain, "
+            f"bonus included) {result.eval['acc_len']:.3f} at step {result.eval['step']}"
+        )
     if result.final_eval:
         fe = result.final_eval
-        lines += ["", "## Held-out acceptance length (Engine, greedy)", "",
-                  (f"{fe['prompts']} held-out prompts, up to {fe['max_new_tokens']} new tokens; acceptance length = "
-                   "committed tokens per verify round, bonus included. \"output == ar\" is the share of prompts "
-                   "whose tokens equal plain greedy decoding: 1.00 in fp32; in bf16 the differently shaped verify "
-                   "forward can flip near-tie argmaxes."), "",
-                  "| method | acceptance length | tokens/s | output == ar |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "## Held-out acceptance length (Engine, greedy)",
+            "",
+            (
+                f"{fe['prompts']} held-out prompts, up to {fe['max_new_tokens']} new tokens; acceptance length = "
+                'committed tokens per verify round, bonus included. "output == ar" is the share of prompts '
+                "whose tokens equal plain greedy decoding: 1.00 in fp32; in bf16 the differently shaped verify "
+                "forward can flip near-tie argmaxes."
+            ),
+            "",
+            "| method | acceptance length | tokens/s | output == ar |",
+            "|---|---|---|---|",
+        ]
         for key, v in fe.items():
             if isinstance(v, dict):
-                lines.append(f"| {key} | {v['acceptance_length']:.3f} | {v['tokens_per_second']} | "
-                             f"{v.get('same_as_ar', 1.0):.2f} |")
+                lines.append(
+                    f"| {key} | {v['acceptance_length']:.3f} | {v['tokens_per_second']} | "
+                    f"{v.get('same_as_ar', 1.0):.2f} |"
+                )
     lines += ["", "## Command", "", "```", command or "(python API)", "```", ""]
     (out / "README.md").write_text("\n".join(lines))
 
@@ -763,13 +895,27 @@ def cmd_make_data(args) -> int:
     device, dtype = _device_and_dtype(args.device, args.dtype)
     target, tok = load_target(args.target, device, dtype)
     out = _data_path(args.out)
-    data = make_data(target, out, tokenizer=tok, num_prompts=args.num_prompts, prompt_tokens=args.prompt_tokens,
-                     continuation_tokens=args.continuation_tokens, held_out_fraction=args.held_out, seed=args.seed,
-                     batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                     sources=args.source or ["stdlib"], mix=mix, target_name=args.target)
+    data = make_data(
+        target,
+        out,
+        tokenizer=tok,
+        num_prompts=args.num_prompts,
+        prompt_tokens=args.prompt_tokens,
+        continuation_tokens=args.continuation_tokens,
+        held_out_fraction=args.held_out,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        sources=args.source or ["stdlib"],
+        mix=mix,
+        target_name=args.target,
+    )
     m = data.manifest
-    print(f"wrote {m['num_sequences']} sequences ({m['num_train']} train, {m['num_held_out']} held out), "
-          f"{m['tokens']} tokens ({m['continuation_tokens']} generated) in {m['seconds_total']:.0f} s to {out}")
+    print(
+        f"wrote {m['num_sequences']} sequences ({m['num_train']} train, {m['num_held_out']} held out), "
+        f"{m['tokens']} tokens ({m['continuation_tokens']} generated) in {m['seconds_total']:.0f} s to {out}"
+    )
     return 0
 
 
@@ -810,26 +956,48 @@ def cmd_train_drafter(args) -> int:
         if args.data and not args.make_data:
             raise _usage(f"no training data at {data_path}: run `ddtree make-data` or pass --make-data")
         print(f"making training data at {data_path} ({args.data_prompts} prompts)", file=sys.stderr)
-        make_data(target, data_path, tokenizer=tok, num_prompts=args.data_prompts, seed=args.seed,
-                  batch_size=args.data_batch_size, continuation_tokens=args.data_continuation_tokens,
-                  target_name=args.target)
+        make_data(
+            target,
+            data_path,
+            tokenizer=tok,
+            num_prompts=args.data_prompts,
+            seed=args.seed,
+            batch_size=args.data_batch_size,
+            continuation_tokens=args.data_continuation_tokens,
+            target_name=args.target,
+        )
     data = TokenData.load(data_path)
     if data.manifest.get("target") not in (None, args.target, "<in-memory model>"):
-        print(f"note: the data was generated by '{data.manifest['target']}', training against '{args.target}'",
-              file=sys.stderr)
+        print(
+            f"note: the data was generated by '{data.manifest['target']}', training against '{args.target}'",
+            file=sys.stderr,
+        )
     given = {name: getattr(args, name) for name in RESUMABLE}
     cfg = TrainConfig(
-        layers=args.layers, block_size=args.block_size, taps=_parse_ints(args.taps, "--taps"),
-        intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
-        batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq, max_len=args.max_len, lr=args.lr,
-        warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
+        layers=args.layers,
+        block_size=args.block_size,
+        taps=_parse_ints(args.taps, "--taps"),
+        intermediate_size=args.intermediate_size,
+        mask_token_id=args.mask_token_id,
+        batch_size=args.batch_size,
+        anchors_per_seq=args.anchors_per_seq,
+        max_len=args.max_len,
+        lr=args.lr,
+        warmup=args.warmup,
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        gamma=args.gamma,
+        seed=args.seed,
         **{k: v for k, v in given.items() if v is not None},
     )
     if args.init_from_target:
         n = target.config.num_hidden_layers
-        ids = (list(range(n - cfg.layers, n)) if args.init_from_target == "last"
-               else _parse_ints(args.init_from_target, "--init-from-target"))
+        ids = (
+            list(range(n - cfg.layers, n))
+            if args.init_from_target == "last"
+            else _parse_ints(args.init_from_target, "--init-from-target")
+        )
         if len(ids) != cfg.layers or not all(0 <= i < n for i in ids):
             raise _usage(f"--init-from-target needs {cfg.layers} target layer ids in [0, {n}), got {ids}")
         cfg.init_from_target = ids
@@ -838,27 +1006,47 @@ def cmd_train_drafter(args) -> int:
         if bad:
             raise _usage(f"--taps {bad} outside the target's {target.config.num_hidden_layers} layers")
     command = "ddtree " + " ".join(shlex.quote(a) for a in (args.argv or sys.argv[1:]))
-    res = train_drafter(target, data, args.out, None if args.resume else cfg, device=device, init=args.init,
-                        resume=args.resume, progress=not args.no_progress, command=command,
-                        target_name=args.target, data_path=str(data_path), overrides=given)
-    summary = {"out": str(res.out_dir), "step": res.step, "stopped": res.stopped,
-               "held_out": res.eval, "acceptance": res.final_eval}
+    res = train_drafter(
+        target,
+        data,
+        args.out,
+        None if args.resume else cfg,
+        device=device,
+        init=args.init,
+        resume=args.resume,
+        progress=not args.no_progress,
+        command=command,
+        target_name=args.target,
+        data_path=str(data_path),
+        overrides=given,
+    )
+    summary = {
+        "out": str(res.out_dir),
+        "step": res.step,
+        "stopped": res.stopped,
+        "held_out": res.eval,
+        "acceptance": res.final_eval,
+    }
     print(json.dumps(summary))
     return 0
 
 
 def register(subparsers) -> None:
     """Add `train-drafter` and `make-data` to the `ddtree` command line."""
-    m = subparsers.add_parser("make-data", help="self-distillation data: the target continues prompts cut "
-                                                "from offline corpora")
+    m = subparsers.add_parser(
+        "make-data", help="self-distillation data: the target continues prompts cut from offline corpora"
+    )
     m.add_argument("--target", required=True, help="target: built-in id, local folder or .gguf")
     m.add_argument("--out", required=True, help="output .safetensors file (or folder: FOLDER/data.safetensors)")
     m.add_argument("--num-prompts", type=int, default=4096)
     m.add_argument("--prompt-tokens", type=int, default=128, help="longest prompt (prompts are 1/4..1x this)")
     m.add_argument("--continuation-tokens", type=int, default=256, help="tokens the target generates per prompt")
     m.add_argument("--held-out", type=float, default=0.05, help="held-out fraction (split by source file)")
-    m.add_argument("--source", action="append", help="corpus: stdlib (default), site-packages, or a file/folder "
-                                                     "of .py/.txt/.md/.rst/.html (repeatable)")
+    m.add_argument(
+        "--source",
+        action="append",
+        help="corpus: stdlib (default), site-packages, or a file/folder of .py/.txt/.md/.rst/.html (repeatable)",
+    )
     m.add_argument("--mix", default="0.4,0.2,0.4", help="prompt kinds code,prose,chat (weights)")
     m.add_argument("--batch-size", type=int, default=128)
     m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy continuations")
@@ -896,17 +1084,30 @@ def register(subparsers) -> None:
     t.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (default 250; 0: only at the end)")
     t.add_argument("--eval-batches", type=int, help="held-out batches per evaluation (default 4)")
     t.add_argument("--save-every", type=int, help="checkpoint every N steps (default 500; 0: only at the end)")
-    t.add_argument("--max-minutes", type=float, help="stop cleanly after this many minutes of this run's training "
-                                                     "loop (then evaluates and saves)")
-    t.add_argument("--final-eval-prompts", type=int, help="held-out prompts for the Engine acceptance "
-                                                          "measurement (default 8; 0: skip)")
+    t.add_argument(
+        "--max-minutes",
+        type=float,
+        help="stop cleanly after this many minutes of this run's training loop (then evaluates and saves)",
+    )
+    t.add_argument(
+        "--final-eval-prompts",
+        type=int,
+        help="held-out prompts for the Engine acceptance measurement (default 8; 0: skip)",
+    )
     t.add_argument("--final-eval-tokens", type=int, help="default 128")
     t.add_argument("--final-eval-budget", type=int, help="DDTree budget of the final measurement (default 32)")
-    t.add_argument("--save-dtype", choices=["bfloat16", "float32"], help="dtype of the saved drafter (default bfloat16)")
+    t.add_argument(
+        "--save-dtype", choices=["bfloat16", "float32"], help="dtype of the saved drafter (default bfloat16)"
+    )
     t.add_argument("--init", help="start from this drafter folder instead of random weights")
-    t.add_argument("--init-from-target", nargs="?", const="last", metavar="LAYERS",
-                   help="start the drafter layers as copies of target layers: comma-separated ids, or 'last' "
-                        "(the default when the flag has no value) for the target's last --layers layers")
+    t.add_argument(
+        "--init-from-target",
+        nargs="?",
+        const="last",
+        metavar="LAYERS",
+        help="start the drafter layers as copies of target layers: comma-separated ids, or 'last' "
+        "(the default when the flag has no value) for the target's last --layers layers",
+    )
     t.add_argument("--resume", help="continue from OUT (or its checkpoint/ folder)")
     t.add_argument("--device")
     t.add_argument("--dtype", help="target dtype (default: bfloat16 on cuda, float32 on cpu)")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import re
-from typing import Annotated, Any, Callable, ClassVar, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
@@ -126,9 +127,7 @@ class ModelSpec(_Model):
 class DrafterSpec(_Model):
     """The DFlash drafter that proposes the draft tree."""
 
-    uri: str = Field(
-        min_length=1, max_length=512, description="Drafter weights; same forms as `model.uri`."
-    )
+    uri: str = Field(min_length=1, max_length=512, description="Drafter weights; same forms as `model.uri`.")
     revision: str | None = Field(default=None, max_length=128, description="Hub revision to pin; hub ids only.")
     rules: ClassVar = (PVC_URI_RULE,)
 
@@ -137,8 +136,12 @@ class BudgetStep(_Model):
     """The draft-tree budget while at most `maxBatchSize` requests run."""
 
     max_batch_size: int = Field(ge=1, le=4096, description="Largest batch this budget applies to.")
-    budget: int = Field(ge=0, le=1024, description="Draft-tree node budget for those batches; 0 decodes "
-                        "them without drafting (where `ddtree bench` finds plain decoding faster).")
+    budget: int = Field(
+        ge=0,
+        le=1024,
+        description="Draft-tree node budget for those batches; 0 decodes "
+        "them without drafting (where `ddtree bench` finds plain decoding faster).",
+    )
 
 
 class SpeculationSpec(_Model):
@@ -182,9 +185,14 @@ class SpeculationSpec(_Model):
             "s.maxBatchSize in self.batchBuckets || self.batchBuckets.all(b, b < s.maxBatchSize))",
             message="every spec.speculation.budgetByBatchSize maxBatchSize must be one of "
             "spec.speculation.batchBuckets (or above all of them)",
-            check=lambda m: m.budget_by_batch_size is None or m.batch_buckets is None or all(
-                s.max_batch_size in m.batch_buckets or all(b < s.max_batch_size for b in m.batch_buckets)
-                for s in m.budget_by_batch_size),
+            check=lambda m: (
+                m.budget_by_batch_size is None
+                or m.batch_buckets is None
+                or all(
+                    s.max_batch_size in m.batch_buckets or all(b < s.max_batch_size for b in m.batch_buckets)
+                    for s in m.budget_by_batch_size
+                )
+            ),
             field_path=".budgetByBatchSize",
         ),
     )
@@ -382,9 +390,11 @@ class SpeculativeDeploymentSpec(_Model):
             cel="!has(self.engine.maxBatchSize) || !has(self.speculation.batchBuckets) || "
             "self.speculation.batchBuckets.all(b, b <= self.engine.maxBatchSize)",
             message="every spec.speculation.batchBuckets entry must be <= spec.engine.maxBatchSize",
-            check=lambda s: s.engine.max_batch_size is None
-            or s.speculation.batch_buckets is None
-            or all(b <= s.engine.max_batch_size for b in s.speculation.batch_buckets),
+            check=lambda s: (
+                s.engine.max_batch_size is None
+                or s.speculation.batch_buckets is None
+                or all(b <= s.engine.max_batch_size for b in s.speculation.batch_buckets)
+            ),
             field_path=".speculation.batchBuckets",
         ),
         Rule(

@@ -15,6 +15,7 @@ import pathlib
 import sys
 from typing import Any
 
+import pydantic
 import yaml
 
 from . import api
@@ -36,22 +37,47 @@ PRINTER_COLUMNS = [
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "description": "Desired engine pods"},
     {"name": "Method", "type": "string", "jsonPath": ".spec.speculation.method"},
     {"name": "Budget", "type": "integer", "jsonPath": ".spec.speculation.budget"},
-    {"name": "AccLen", "type": "number", "jsonPath": ".status.acceptanceLength",
-     "description": "Windowed mean acceptance length"},
-    {"name": "Tok/s", "type": "number", "jsonPath": ".status.throughputTokensPerSecond",
-     "description": "Generated tokens per second, all ready pods"},
+    {
+        "name": "AccLen",
+        "type": "number",
+        "jsonPath": ".status.acceptanceLength",
+        "description": "Windowed mean acceptance length",
+    },
+    {
+        "name": "Tok/s",
+        "type": "number",
+        "jsonPath": ".status.throughputTokensPerSecond",
+        "description": "Generated tokens per second, all ready pods",
+    },
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri", "priority": 1},
-    {"name": "Reason", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason", "priority": 1},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason', "priority": 1},
 ]
 
 # Keys a CRD schema may carry; everything else pydantic emits (title, $defs, ...) is dropped.
 _KEEP = {
-    "type", "format", "description", "default", "enum", "pattern", "minimum", "maximum", "minLength",
-    "maxLength", "minItems", "maxItems", "properties", "required", "items", "additionalProperties",
-    "x-kubernetes-validations", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
-    "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
+    "type",
+    "format",
+    "description",
+    "default",
+    "enum",
+    "pattern",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "properties",
+    "required",
+    "items",
+    "additionalProperties",
+    "x-kubernetes-validations",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
 }
 
 
@@ -90,7 +116,7 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _schema_of(model: type) -> dict[str, Any]:
+def _schema_of(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation", ref_template="#/$defs/{model}")
     return structural(raw, raw.get("$defs", {}))
 

@@ -81,11 +81,13 @@ def _parse_spec(spec: Any) -> api.SpeculativeDeploymentSpec:
 def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any]) -> None:
     """Create or converge `obj`; fields we applied before and no longer render are removed."""
     name, namespace = obj["metadata"]["name"], obj["metadata"]["namespace"]
-    options = {"field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY}
+    options: dict[str, Any] = {"field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY}
     if obj["kind"] == "Deployment":
         kubernetes.client.AppsV1Api(client).patch_namespaced_deployment(name, namespace, obj, **options)
     elif obj["kind"] == "Service":
         kubernetes.client.CoreV1Api(client).patch_namespaced_service(name, namespace, obj, **options)
+    elif obj["kind"] == "ConfigMap":
+        kubernetes.client.CoreV1Api(client).patch_namespaced_config_map(name, namespace, obj, **options)
     elif obj["kind"] == "PodMonitor":
         kubernetes.client.CustomObjectsApi(client).patch_namespaced_custom_object(
             *POD_MONITOR[:2], namespace, POD_MONITOR[2], name, obj, **options
@@ -104,9 +106,12 @@ def apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymen
                 # The namespace controller is about to delete this resource as well.
                 raise kopf.TemporaryError(f"namespace {owner.namespace} is being deleted", delay=10) from exc
             if child["kind"] == "PodMonitor" and exc.status == 404:
-                kopf.warn(body, reason="PodMonitorUnavailable",
-                          message="spec.metrics.podMonitor is true but the PodMonitor API "
-                                  "(monitoring.coreos.com/v1) is not installed")
+                kopf.warn(
+                    body,
+                    reason="PodMonitorUnavailable",
+                    message="spec.metrics.podMonitor is true but the PodMonitor API "
+                    "(monitoring.coreos.com/v1) is not installed",
+                )
                 continue
             raise
     if not spec.metrics.pod_monitor:
@@ -154,7 +159,10 @@ async def _scrape(session: aiohttp.ClientSession, ip: str, port: int) -> EngineS
 
 
 async def _scrape_if_due(
-    spec: api.SpeculativeDeploymentSpec, pods: list[PodView], memo: kopf.Memo, logger: Any,
+    spec: api.SpeculativeDeploymentSpec,
+    pods: list[PodView],
+    memo: kopf.Memo,
+    logger: Any,
 ) -> tuple[dict[str, EngineSample], Window | None]:
     """This tick's samples of ready pods and the window since the previous scrape (per-resource memo)."""
     now = time.monotonic()
@@ -187,10 +195,22 @@ def _condition(conditions: list[Any], type_: str) -> dict[str, Any]:
     return next((c for c in conditions if c.get("type") == type_), {})
 
 
-@kopf.timer(*RESOURCE, interval=STATUS_TICK_SECONDS)
+# kopf passes the indices by name through **kwargs, which its TimerFn protocol can't express
+@kopf.timer(*RESOURCE, interval=STATUS_TICK_SECONDS)  # type: ignore[arg-type]
 async def refresh_status(
-    name: str, namespace: str, uid: str, spec: Any, status: Any, meta: Any, body: Any, memo: kopf.Memo,
-    patch: kopf.Patch, engine_pods: kopf.Index, engine_deployments: kopf.Index, logger: Any, **_: Any,
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: Any,
+    status: Any,
+    meta: Any,
+    body: Any,
+    memo: kopf.Memo,
+    patch: kopf.Patch,
+    engine_pods: kopf.Index,
+    engine_deployments: kopf.Index,
+    logger: Any,
+    **_: Any,
 ) -> None:
     parsed = _parse_spec(spec)
     key = (namespace, name)
@@ -202,9 +222,15 @@ async def refresh_status(
     samples, metrics_window = await _scrape_if_due(parsed, pods, memo, logger)
     current = dict(status)
     desired = compute_status(
-        name=name, generation=meta.get("generation", 0), spec=parsed,
-        deployment=deployments[0] if deployments else None, pods=pods, samples=samples,
-        window=metrics_window, previous=current, now=datetime.datetime.now(datetime.timezone.utc),
+        name=name,
+        generation=meta.get("generation", 0),
+        spec=parsed,
+        deployment=deployments[0] if deployments else None,
+        pods=pods,
+        samples=samples,
+        window=metrics_window,
+        previous=current,
+        now=datetime.datetime.now(datetime.timezone.utc),
     )
     changes = status_patch(current, desired)
     for field, value in changes.items():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .api import SpeculativeDeploymentSpec
 from .metrics import EngineSample, Window
@@ -54,7 +55,9 @@ def _terminated_abnormally(state: Mapping[str, Any] | None) -> Failure | None:
 def pod_view(pod: Mapping[str, Any]) -> PodView:
     status = pod.get("status") or {}
     conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
-    engine = next((c for c in status.get("containerStatuses") or [] if c.get("name") == ENGINE_CONTAINER), {})
+    engine: Mapping[str, Any] = next(
+        (c for c in status.get("containerStatuses") or [] if c.get("name") == ENGINE_CONTAINER), {}
+    )
     ready = conditions.get("Ready") == "True"
     failure = None
     if not ready:
@@ -71,7 +74,9 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
 
 def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
     status = deployment.get("status") or {}
-    progressing = next((c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {})
+    progressing: Mapping[str, Any] = next(
+        (c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {}
+    )
     return DeploymentView(
         generation=deployment["metadata"].get("generation", 0),
         observed_generation=status.get("observedGeneration", 0),
@@ -87,15 +92,24 @@ def _timestamp(now: datetime.datetime) -> str:
 
 
 def set_condition(
-    previous: list[Mapping[str, Any]], type_: str, status: str, reason: str, message: str,
-    generation: int, now: datetime.datetime,
+    previous: list[Mapping[str, Any]],
+    type_: str,
+    status: str,
+    reason: str,
+    message: str,
+    generation: int,
+    now: datetime.datetime,
 ) -> dict[str, Any]:
     """A metav1 condition whose lastTransitionTime moves only when its status flips."""
     old = next((c for c in previous if c.get("type") == type_), None)
     since = old["lastTransitionTime"] if old is not None and old.get("status") == status else _timestamp(now)
     return {
-        "type": type_, "status": status, "observedGeneration": generation,
-        "lastTransitionTime": since, "reason": reason, "message": message,
+        "type": type_,
+        "status": status,
+        "observedGeneration": generation,
+        "lastTransitionTime": since,
+        "reason": reason,
+        "message": message,
     }
 
 
@@ -126,14 +140,20 @@ def _metrics(window: Window | None, ready: int, previous: Mapping[str, Any], now
 
 
 def _smoke_test(
-    spec: SpeculativeDeploymentSpec, pods: list[PodView], failing: list[PodView],
-    samples: Mapping[str, EngineSample], previous: Mapping[str, Any],
+    spec: SpeculativeDeploymentSpec,
+    pods: list[PodView],
+    failing: list[PodView],
+    samples: Mapping[str, EngineSample],
+    previous: Mapping[str, Any],
 ) -> tuple[dict[str, Any], Outcome]:
     """The smokeTest summary and the SmokeTestPassed condition. The engine gates /ready on its smoke
     test, so a ready pod has passed it; an engine that exited says why in its termination message."""
     if not spec.readiness.smoke_test:
         return {"result": "Disabled"}, (
-            "Unknown", "SmokeTestDisabled", "spec.readiness.smokeTest is false; readiness follows /health")
+            "Unknown",
+            "SmokeTestDisabled",
+            "spec.readiness.smokeTest is false; readiness follows /health",
+        )
     captures = [s.graph_capture_seconds for s in samples.values() if s.graph_capture_seconds is not None]
     capture_seconds = max(captures) if captures else (previous.get("smokeTest") or {}).get("graphCaptureSeconds")
     passed = sum(p.ready for p in pods)
@@ -155,8 +175,12 @@ def _smoke_test(
 
 
 def _phase(
-    spec: SpeculativeDeploymentSpec, deployment: DeploymentView | None, pods: list[PodView],
-    failing: list[PodView], rolled_out: bool, acceptance: float | None,
+    spec: SpeculativeDeploymentSpec,
+    deployment: DeploymentView | None,
+    pods: list[PodView],
+    failing: list[PodView],
+    rolled_out: bool,
+    acceptance: float | None,
 ) -> tuple[str, str, str]:
     """phase, reason, message."""
     desired = spec.replicas
@@ -176,8 +200,11 @@ def _phase(
         return "Pending", "ScaledToZero", "spec.replicas is 0"
     if ready >= desired and rolled_out:
         if minimum is not None and acceptance is not None and acceptance < minimum:
-            return "Degraded", "LowAcceptance", (
-                f"acceptance length {acceptance} is below spec.readiness.minAcceptanceLength {minimum}")
+            return (
+                "Degraded",
+                "LowAcceptance",
+                (f"acceptance length {acceptance} is below spec.readiness.minAcceptanceLength {minimum}"),
+            )
         return "Ready", "AllReplicasReady", counts
     if any(p.running for p in pods):
         return "Loading", "EnginesLoading", counts
@@ -231,8 +258,12 @@ def compute_status(
     previous_conditions = previous.get("conditions") or []
     conditions = [
         set_condition(previous_conditions, type_, *outcome, generation, now)
-        for type_, outcome in (("Ready", serving), ("Progressing", progressing), ("SmokeTestPassed", smoke),
-                               ("Degraded", degraded))
+        for type_, outcome in (
+            ("Ready", serving),
+            ("Progressing", progressing),
+            ("SmokeTestPassed", smoke),
+            ("Degraded", degraded),
+        )
     ]
     return {
         "observedGeneration": generation,

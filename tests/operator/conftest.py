@@ -17,6 +17,7 @@ import uuid
 import kubernetes
 import pytest
 import yaml
+
 from kube_testbed import (
     BIN_DIR,
     CHART,
@@ -33,6 +34,7 @@ from kube_testbed import (
     wait_for,
 )
 
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> Cluster:
     for binary in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "helm"):
@@ -41,34 +43,55 @@ def cluster(tmp_path_factory) -> Cluster:
     kubectl = tool("kubectl")
     workdir = tmp_path_factory.mktemp("cluster")
     env = {**os.environ, "KUBECTL": kubectl, "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
-    start = subprocess.run(["bash", str(HACK / "start-test-cluster.sh"), str(BIN_DIR), str(workdir)],
-                           env=env, capture_output=True, text=True, timeout=300)
+    start = subprocess.run(
+        ["bash", str(HACK / "start-test-cluster.sh"), str(BIN_DIR), str(workdir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     try:
         if start.returncode != 0:
             pytest.fail(f"start-test-cluster.sh failed:\n{start.stdout}\n{start.stderr}")
         kubeconfig = workdir / "kubeconfig"
-        cluster = Cluster(workdir, kubeconfig, kubectl, str(BIN_DIR / "helm"),
-                          kubernetes.config.new_client_from_config(config_file=str(kubeconfig)))
+        cluster = Cluster(
+            workdir,
+            kubeconfig,
+            kubectl,
+            str(BIN_DIR / "helm"),
+            kubernetes.config.new_client_from_config(config_file=str(kubeconfig)),
+        )
         # The controller-manager is up once it made the default ServiceAccount; kwok once nodes are Ready.
-        wait_for(lambda: exists(lambda: cluster.core.read_namespaced_service_account("default", "default")),
-                 60, "kube-controller-manager (default ServiceAccount)")
+        wait_for(
+            lambda: exists(lambda: cluster.core.read_namespaced_service_account("default", "default")),
+            60,
+            "kube-controller-manager (default ServiceAccount)",
+        )
         wait_for(lambda: all(node_ready(n) for n in cluster.core.list_node().items), 60, "kwok nodes Ready")
         yield cluster
     finally:
-        subprocess.run(["bash", str(HACK / "stop-test-cluster.sh"), str(workdir), "--keep"], timeout=120,
-                       capture_output=True)
+        subprocess.run(
+            ["bash", str(HACK / "stop-test-cluster.sh"), str(workdir), "--keep"], timeout=120, capture_output=True
+        )
 
 
 @pytest.fixture(scope="session")
 def chart_installed(cluster: Cluster) -> str:
     """`helm template … | kubectl apply --server-side`, as the quickstart does without Tiller/releases."""
     cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE)
-    rendered = cluster.helm("template", "ddtree", str(CHART), "--namespace", OPERATOR_NAMESPACE,
-                            "--set", f"engine.image.repository={ENGINE_IMAGE.split(':')[0]}",
-                            "--set", f"engine.image.tag={ENGINE_IMAGE.split(':')[1]}").stdout
+    rendered = cluster.helm(
+        "template",
+        "ddtree",
+        str(CHART),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--set",
+        f"engine.image.repository={ENGINE_IMAGE.split(':')[0]}",
+        "--set",
+        f"engine.image.tag={ENGINE_IMAGE.split(':')[1]}",
+    ).stdout
     cluster.kubectl("apply", "--server-side", "-f", "-", input=rendered)
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/speculativedeployments.ddtree.dev")
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/speculativedeployments.ddtree.dev")
     return rendered
 
 
@@ -91,8 +114,9 @@ def operator(operator_kubeconfig: pathlib.Path):
 
     logging.getLogger("kopf").setLevel(logging.INFO)
     with operator_environment(operator_kubeconfig):
-        with KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "ddtree_operator.handlers"],
-                        timeout=60) as runner:
+        with KopfRunner(
+            ["run", "--standalone", "--all-namespaces", "-m", "ddtree_operator.handlers"], timeout=60
+        ) as runner:
             yield runner
     assert runner.exception is None, f"operator crashed: {runner.exception!r}\n{runner.output[-4000:]}"
     assert runner.exit_code == 0, runner.output[-4000:]

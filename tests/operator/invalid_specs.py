@@ -34,13 +34,21 @@ INVALID_SPECS = {
         "budgetByBatchSize needs method ddtree",
     ),
     "budget-step-not-a-bucket": (
-        {**VALID, "speculation": {"batchBuckets": [1, 2, 4],
-                                  "budgetByBatchSize": [{"maxBatchSize": 1, "budget": 32}, {"maxBatchSize": 3, "budget": 8}]}},
+        {
+            **VALID,
+            "speculation": {
+                "batchBuckets": [1, 2, 4],
+                "budgetByBatchSize": [{"maxBatchSize": 1, "budget": 32}, {"maxBatchSize": 3, "budget": 8}],
+            },
+        },
         "every spec.speculation.budgetByBatchSize maxBatchSize must be one of spec.speculation.batchBuckets",
     ),
     "min-acceptance-without-speculation": (
-        {"model": {"uri": "Qwen/Qwen3-8B"}, "speculation": {"method": "none"},
-         "readiness": {"minAcceptanceLength": 2.0}},
+        {
+            "model": {"uri": "Qwen/Qwen3-8B"},
+            "speculation": {"method": "none"},
+            "readiness": {"minAcceptanceLength": 2.0},
+        },
         "spec.readiness.minAcceptanceLength needs speculation",
     ),
     "malformed-pvc-uri": (
@@ -48,8 +56,12 @@ INVALID_SPECS = {
         "a pvc:// uri must look like pvc://<claim-name>/<path inside the claim>",
     ),
     "env-with-value-and-secret": (
-        {**VALID, "engine": {"env": [{"name": "HF_TOKEN", "value": "x",
-                                      "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}},
+        {
+            **VALID,
+            "engine": {
+                "env": [{"name": "HF_TOKEN", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
+            },
+        },
         "an env entry needs exactly one of value and valueFrom",
     ),
 }
@@ -58,11 +70,15 @@ INVALID_SPECS = {
 OUT_OF_BOUNDS_SPECS = {
     "budget-too-large": ({**VALID, "speculation": {"budget": 4096}}, "spec.speculation.budget"),
     "budget-zero": ({**VALID, "speculation": {"budget": 0}}, "spec.speculation.budget"),
-    "budget-step-negative": ({**VALID, "speculation": {"budgetByBatchSize": [{"maxBatchSize": 4, "budget": -1}]}},
-                             "spec.speculation.budgetByBatchSize[0].budget"),
+    "budget-step-negative": (
+        {**VALID, "speculation": {"budgetByBatchSize": [{"maxBatchSize": 4, "budget": -1}]}},
+        "spec.speculation.budgetByBatchSize[0].budget",
+    ),
     "negative-replicas": ({**VALID, "replicas": -1}, "spec.replicas"),
     "unknown-method": ({**VALID, "speculation": {"method": "eagle"}}, "spec.speculation.method"),
     "bad-memory-quantity": ({**VALID, "resources": {"memory": "lots"}}, "spec.resources.memory"),
-    "startup-timeout-too-short": ({**VALID, "readiness": {"startupTimeoutSeconds": 5}},
-                                  "spec.readiness.startupTimeoutSeconds"),
+    "startup-timeout-too-short": (
+        {**VALID, "readiness": {"startupTimeoutSeconds": 5}},
+        "spec.readiness.startupTimeoutSeconds",
+    ),
 }

@@ -15,7 +15,8 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import kubernetes
 import pytest
@@ -79,7 +80,10 @@ class Cluster:
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(
             [self.kubectl_path, f"--kubeconfig={self.kubeconfig}", *args],
-            input=input, capture_output=True, text=True, timeout=120,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
@@ -104,8 +108,9 @@ class Cluster:
         return kubernetes.client.CustomObjectsApi(self.api)
 
     def specdeploy(self, namespace: str, name: str) -> dict[str, Any]:
-        return self.custom.get_namespaced_custom_object("ddtree.dev", "v1alpha1", namespace,
-                                                        "speculativedeployments", name)
+        return self.custom.get_namespaced_custom_object(
+            "ddtree.dev", "v1alpha1", namespace, "speculativedeployments", name
+        )
 
     def status(self, namespace: str, name: str) -> dict[str, Any]:
         return self.specdeploy(namespace, name).get("status") or {}
@@ -115,8 +120,7 @@ class Cluster:
         return next((c for c in conditions if c["type"] == type_), {})
 
     def engine_pods(self, namespace: str, name: str) -> list[Any]:
-        return self.core.list_namespaced_pod(
-            namespace, label_selector=f"{OWNER_LABEL_KEY}={name}").items
+        return self.core.list_namespaced_pod(namespace, label_selector=f"{OWNER_LABEL_KEY}={name}").items
 
     def apply_example(self, namespace: str, example: str, **spec_overrides: Any) -> dict[str, Any]:
         doc = yaml.safe_load((EXAMPLES / example).read_text())

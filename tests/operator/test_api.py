@@ -5,6 +5,7 @@ import pathlib
 import pydantic
 import pytest
 import yaml
+
 from ddtree_operator.api import SpeculativeDeploymentSpec
 from invalid_specs import INVALID_SPECS, OUT_OF_BOUNDS_SPECS, VALID
 

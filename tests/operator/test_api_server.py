@@ -5,6 +5,7 @@ import datetime
 import json
 
 import pytest
+
 from ddtree_operator.api import SpeculativeDeploymentSpec
 from ddtree_operator.metrics import EngineSample, Window
 from ddtree_operator.status import DeploymentView, Failure, PodView, compute_status, status_patch
@@ -13,8 +14,9 @@ from kube_testbed import EXAMPLES
 
 
 def resource(name: str, spec: dict) -> str:
-    return json.dumps({"apiVersion": "ddtree.dev/v1alpha1", "kind": "SpeculativeDeployment",
-                       "metadata": {"name": name}, "spec": spec})
+    return json.dumps(
+        {"apiVersion": "ddtree.dev/v1alpha1", "kind": "SpeculativeDeployment", "metadata": {"name": name}, "spec": spec}
+    )
 
 
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
@@ -25,10 +27,18 @@ def test_examples_pass_server_side_dry_run(cluster, chart_installed, namespace, 
 
 def test_budget_zero_per_batch_size_is_accepted(cluster, chart_installed, namespace):
     """Budget 0 in budgetByBatchSize (drafting off at those batch sizes) passes the schema and the rules."""
-    spec = {**VALID, "speculation": {"batchBuckets": [1, 2, 4], "budgetByBatchSize": [
-        {"maxBatchSize": 1, "budget": 32}, {"maxBatchSize": 4, "budget": 0}]}, "engine": {"maxBatchSize": 4}}
+    spec = {
+        **VALID,
+        "speculation": {
+            "batchBuckets": [1, 2, 4],
+            "budgetByBatchSize": [{"maxBatchSize": 1, "budget": 32}, {"maxBatchSize": 4, "budget": 0}],
+        },
+        "engine": {"maxBatchSize": 4},
+    }
     SpeculativeDeploymentSpec.model_validate(spec)
-    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=resource("budget-zero", spec))
+    result = cluster.kubectl(
+        "apply", "--dry-run=server", "-n", namespace, "-f", "-", input=resource("budget-zero", spec)
+    )
     assert "created (server dry run)" in result.stdout
 
 
@@ -48,8 +58,9 @@ def test_schema_bounds_reject_naming_the_field(cluster, chart_installed, namespa
 
 
 def test_name_must_be_a_dns_label(cluster, chart_installed, namespace):
-    result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=resource("1.starts-with-digit", VALID),
-                             check=False)
+    result = cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=resource("1.starts-with-digit", VALID), check=False
+    )
     assert result.returncode != 0 and "metadata.name must be a DNS-1035 label" in result.stderr, result.stderr
 
 
@@ -63,15 +74,30 @@ def test_server_defaults_equal_pydantic_defaults(cluster, chart_installed, names
 def test_every_status_field_survives_the_structural_schema(cluster, chart_installed, namespace):
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=resource("full-status", VALID))
     status = compute_status(
-        name="full-status", generation=1, spec=SpeculativeDeploymentSpec.model_validate(VALID),
+        name="full-status",
+        generation=1,
+        spec=SpeculativeDeploymentSpec.model_validate(VALID),
         deployment=DeploymentView(1, 1, 2, 1, 2, False),
-        pods=[PodView("a", "ua", "127.1.0.1", True, True, None),
-              PodView("b", "ub", "127.1.0.2", False, True, Failure(3, "Error", "smoke test failed: x"))],
-        samples={"ua": EngineSample(0, 0, 0, 0, True, 4.5)}, window=Window(2.5, 42.0), previous={},
+        pods=[
+            PodView("a", "ua", "127.1.0.1", True, True, None),
+            PodView("b", "ub", "127.1.0.2", False, True, Failure(3, "Error", "smoke test failed: x")),
+        ],
+        samples={"ua": EngineSample(0, 0, 0, 0, True, 4.5)},
+        window=Window(2.5, 42.0),
+        previous={},
         now=datetime.datetime.now(datetime.timezone.utc),
     )
-    cluster.kubectl("patch", "specdeploy", "full-status", "-n", namespace, "--subresource=status",
-                    "--type=merge", "-p", json.dumps({"status": status}))
+    cluster.kubectl(
+        "patch",
+        "specdeploy",
+        "full-status",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status}),
+    )
     stored = cluster.status(namespace, "full-status")
     assert status_patch(stored, status) == {}, "the API server pruned or changed status fields"
     assert stored["smokeTest"]["message"].endswith("smoke test failed: x")
@@ -84,11 +110,23 @@ def test_every_status_field_survives_the_structural_schema(cluster, chart_instal
 
 def test_scale_subresource_reports_selector(cluster, chart_installed, namespace):
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=resource("scaled", VALID))
-    cluster.kubectl("patch", "specdeploy", "scaled", "-n", namespace, "--subresource=status", "--type=merge",
-                    "-p", json.dumps({"status": {"replicas": 1, "selector": "a=b"}}))
+    cluster.kubectl(
+        "patch",
+        "specdeploy",
+        "scaled",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"replicas": 1, "selector": "a=b"}}),
+    )
     cluster.kubectl("scale", "specdeploy", "scaled", "-n", namespace, "--replicas=4")
-    scale = json.loads(cluster.kubectl("get", "--raw",
-                                       f"/apis/ddtree.dev/v1alpha1/namespaces/{namespace}/speculativedeployments/scaled/scale").stdout)
+    scale = json.loads(
+        cluster.kubectl(
+            "get", "--raw", f"/apis/ddtree.dev/v1alpha1/namespaces/{namespace}/speculativedeployments/scaled/scale"
+        ).stdout
+    )
     assert scale["spec"]["replicas"] == 4 and scale["status"] == {"replicas": 1, "selector": "a=b"}
     assert cluster.specdeploy(namespace, "scaled")["spec"]["replicas"] == 4
 
@@ -103,8 +141,12 @@ def test_chart_installs_with_server_side_apply(cluster, chart_installed):
     # The fixture applied `helm template` once; applying it again must be a clean no-op.
     again = cluster.kubectl("apply", "--server-side", "-f", "-", input=chart_installed)
     assert again.stdout.count("serverside-applied") == 5, again.stdout
-    for kind, name in (("serviceaccount", "ddtree-operator"), ("deployment", "ddtree-operator"),
-                       ("clusterrole", "ddtree-operator"), ("clusterrolebinding", "ddtree-operator")):
+    for kind, name in (
+        ("serviceaccount", "ddtree-operator"),
+        ("deployment", "ddtree-operator"),
+        ("clusterrole", "ddtree-operator"),
+        ("clusterrolebinding", "ddtree-operator"),
+    ):
         cluster.kubectl("get", kind, name, "-n", "ddtree-system")
     crd = json.loads(cluster.kubectl("get", "crd", "speculativedeployments.ddtree.dev", "-o", "json").stdout)
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"

@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 import yaml
+
 from kube_testbed import BIN_DIR, CHART, missing
 
 
@@ -17,8 +18,12 @@ def helm() -> str:
 
 
 def template(helm: str, *args: str) -> list[dict]:
-    result = subprocess.run([helm, "template", "ddtree", str(CHART), "--namespace", "ddtree-system", *args],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [helm, "template", "ddtree", str(CHART), "--namespace", "ddtree-system", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
@@ -32,9 +37,11 @@ def test_helm_lint_is_clean(helm):
 def test_renders_the_expected_objects(helm):
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in template(helm))
     assert kinds == [
-        ("ClusterRole", "ddtree-operator"), ("ClusterRoleBinding", "ddtree-operator"),
+        ("ClusterRole", "ddtree-operator"),
+        ("ClusterRoleBinding", "ddtree-operator"),
         ("CustomResourceDefinition", "speculativedeployments.ddtree.dev"),
-        ("Deployment", "ddtree-operator"), ("ServiceAccount", "ddtree-operator"),
+        ("Deployment", "ddtree-operator"),
+        ("ServiceAccount", "ddtree-operator"),
     ]
 
 
@@ -61,8 +68,12 @@ def test_watch_namespaces_and_log_level(helm):
 
 
 def test_values_schema_rejects_typos(helm):
-    result = subprocess.run([helm, "template", "ddtree", str(CHART), "--set", "operator.logLevl=debug"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [helm, "template", "ddtree", str(CHART), "--set", "operator.logLevl=debug"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "logLevl" in result.stderr
 
 
@@ -76,7 +87,12 @@ def test_rbac_has_no_wildcards(helm):
     for rule in role["rules"]:
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[key], rule
-    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
-               for resource in rule["resources"] for verb in rule["verbs"]}
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
     assert ("ddtree.dev", "speculativedeployments/status", "patch") in granted
     assert ("", "secrets", "get") not in granted  # the operator never reads Secrets

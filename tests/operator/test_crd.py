@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import yaml
+
 from ddtree_operator import api, crd
 from ddtree_operator.api import SpeculativeDeploymentStatus
 

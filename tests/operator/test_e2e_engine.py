@@ -6,6 +6,7 @@ Skipped, with the reason, only when this environment has no `ddtree serve`.
 """
 
 import pytest
+
 from kube_testbed import load_hack_module, wait_for
 
 kwok_engines = load_hack_module("kwok_engines")
@@ -27,6 +28,7 @@ def test_smollm2_cpu_reaches_ready_with_acceptance_and_throughput(cluster, names
     cluster.apply_example(namespace, "smollm2-cpu.yaml")
     runner = kwok_engines.EngineRunner(cluster.api, namespace, "smollm2-cpu", tmp_path)
     with runner.start(load=True, load_seconds=READY_TIMEOUT_SECONDS):
+
         def filled_in():
             row = cluster.get_row(namespace, "smollm2-cpu")
             done = row["PHASE"] == "Ready" and row["ACCLEN"] and row["TOK/S"] and float(row["TOK/S"]) > 0
@@ -49,8 +51,12 @@ def test_engine_start_failure_reports_the_engines_reason(cluster, namespace, ddt
     cluster.apply_example(namespace, "smollm2-cpu.yaml", model={"uri": "no-such-model-anywhere"})
     with kwok_engines.EngineRunner(cluster.api, namespace, "smollm2-cpu", tmp_path).start() as runner:
         condition = wait_for(
-            lambda: (c := cluster.condition(namespace, "smollm2-cpu", "SmokeTestPassed")).get("status") == "False"
-            and c, 300, "SmokeTestPassed=False from the exited engine")
+            lambda: (
+                (c := cluster.condition(namespace, "smollm2-cpu", "SmokeTestPassed")).get("status") == "False" and c
+            ),
+            300,
+            "SmokeTestPassed=False from the exited engine",
+        )
         logs = runner.logs()
     assert "no-such-model-anywhere" in condition["message"], logs
     assert cluster.status(namespace, "smollm2-cpu")["phase"] == "Failed"
@@ -59,12 +65,17 @@ def test_engine_start_failure_reports_the_engines_reason(cluster, namespace, ddt
 def test_smoke_test_failure_surfaces_with_the_engines_reason(cluster, namespace, ddtree_serve, tmp_path):
     # `--smoke-fault corrupt-graph-input` is the engine's test hook: it corrupts the RoPE table for the
     # batched smoke rounds, so the smoke test finds mismatches, writes the reason and exits 1.
-    cluster.apply_example(namespace, "smollm2-cpu.yaml",
-                          engine={"maxBatchSize": 2, "args": ["--smoke-fault", "corrupt-graph-input"]})
+    cluster.apply_example(
+        namespace, "smollm2-cpu.yaml", engine={"maxBatchSize": 2, "args": ["--smoke-fault", "corrupt-graph-input"]}
+    )
     with kwok_engines.EngineRunner(cluster.api, namespace, "smollm2-cpu", tmp_path).start() as runner:
         condition = wait_for(
-            lambda: (c := cluster.condition(namespace, "smollm2-cpu", "SmokeTestPassed")).get("status") == "False"
-            and c, READY_TIMEOUT_SECONDS, "SmokeTestPassed=False from the engine's smoke test")
+            lambda: (
+                (c := cluster.condition(namespace, "smollm2-cpu", "SmokeTestPassed")).get("status") == "False" and c
+            ),
+            READY_TIMEOUT_SECONDS,
+            "SmokeTestPassed=False from the engine's smoke test",
+        )
         logs = runner.logs()
     assert condition["reason"] == "SmokeTestFailed", logs
     assert "smoke test failed" in condition["message"], logs

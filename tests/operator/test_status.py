@@ -3,6 +3,7 @@
 import datetime
 
 import pytest
+
 from ddtree_operator.api import SpeculativeDeploymentSpec
 from ddtree_operator.metrics import EngineSample, parse_engine_metrics, window
 from ddtree_operator.status import (
@@ -62,7 +63,8 @@ def test_parse_engine_metrics_sums_over_models():
 def test_parse_engine_metrics_names_what_is_missing():
     with pytest.raises(ValueError, match="ddtree_generation_tokens_total"):
         parse_engine_metrics(
-            "ddtree_spec_decode_num_drafts_total 1\nddtree_spec_decode_num_accepted_tokens_total 1\n", time=0)
+            "ddtree_spec_decode_num_drafts_total 1\nddtree_spec_decode_num_accepted_tokens_total 1\n", time=0
+        )
 
 
 def test_window_acceptance_and_throughput_over_replicas():
@@ -89,27 +91,43 @@ def test_window_without_history_or_drafts():
 
 # ---- compute_status -------------------------------------------------------------------------
 
+
 def spec(**overrides):
     return SpeculativeDeploymentSpec.model_validate({**VALID, **overrides})
 
 
 def deployment(replicas=1, ready=1, updated=None, generation=1, observed=1, deadline=False):
-    return DeploymentView(generation=generation, observed_generation=observed, replicas=replicas,
-                          ready_replicas=ready, updated_replicas=replicas if updated is None else updated,
-                          progress_deadline_exceeded=deadline)
+    return DeploymentView(
+        generation=generation,
+        observed_generation=observed,
+        replicas=replicas,
+        ready_replicas=ready,
+        updated_replicas=replicas if updated is None else updated,
+        progress_deadline_exceeded=deadline,
+    )
 
 
 def pod(name="p0", ready=True, running=True, failure=None, ip="127.1.0.5"):
     return PodView(name=name, uid=f"uid-{name}", ip=ip, ready=ready, running=running, failure=failure)
 
 
-SMOKE_FAILURE = Failure(exit_code=3, reason="Error",
-                        message="smoke test failed: CUDA graph capture for batch 4 fell back to eager")
+SMOKE_FAILURE = Failure(
+    exit_code=3, reason="Error", message="smoke test failed: CUDA graph capture for batch 4 fell back to eager"
+)
 
 
 def status(previous=None, now=T0, **kwargs):
-    args = dict(name="demo", generation=1, spec=spec(), deployment=deployment(), pods=[pod()], samples={},
-                window=None, previous=previous or {}, now=now)
+    args = dict(
+        name="demo",
+        generation=1,
+        spec=spec(),
+        deployment=deployment(),
+        pods=[pod()],
+        samples={},
+        window=None,
+        previous=previous or {},
+        now=now,
+    )
     args.update(kwargs)
     return compute_status(**args)
 
@@ -122,8 +140,12 @@ def test_all_ready():
     s = status()
     assert s["phase"] == "Ready" and s["readyReplicas"] == 1 and s["replicas"] == 1 and s["observedGeneration"] == 1
     assert s["selector"] == "app.kubernetes.io/name=ddtree-engine,ddtree.dev/speculativedeployment=demo"
-    assert conditions(s) == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "RolloutComplete"),
-                             "SmokeTestPassed": ("True", "SmokeTestPassed"), "Degraded": ("False", "AsExpected")}
+    assert conditions(s) == {
+        "Ready": ("True", "AllReplicasReady"),
+        "Progressing": ("False", "RolloutComplete"),
+        "SmokeTestPassed": ("True", "SmokeTestPassed"),
+        "Degraded": ("False", "AsExpected"),
+    }
     assert s["smokeTest"] == {"result": "Passed", "passedReplicas": 1}
     assert "acceptanceLength" not in s and "throughputTokensPerSecond" not in s
 
@@ -157,8 +179,11 @@ def test_smoke_test_failure_without_ready_replicas_fails_with_the_engines_reason
 
 
 def test_one_failing_replica_of_two_is_degraded():
-    s = status(spec=spec(replicas=2), deployment=deployment(replicas=2, ready=1),
-               pods=[pod("p0"), pod("p1", ready=False, failure=Failure(137, "OOMKilled", ""))])
+    s = status(
+        spec=spec(replicas=2),
+        deployment=deployment(replicas=2, ready=1),
+        pods=[pod("p0"), pod("p1", ready=False, failure=Failure(137, "OOMKilled", ""))],
+    )
     assert s["phase"] == "Degraded"
     assert conditions(s)["SmokeTestPassed"] == ("False", "OOMKilled")
     assert "OOMKilled without a termination message" in s["smokeTest"]["message"]
@@ -171,8 +196,12 @@ def test_progress_deadline_exceeded_fails():
 
 
 def test_rollout_in_progress_keeps_serving_but_progresses():
-    s = status(spec=spec(replicas=1), generation=2, deployment=deployment(replicas=2, ready=1, updated=1),
-               pods=[pod("old"), pod("new", ready=False)])
+    s = status(
+        spec=spec(replicas=1),
+        generation=2,
+        deployment=deployment(replicas=2, ready=1, updated=1),
+        pods=[pod("old"), pod("new", ready=False)],
+    )
     assert s["phase"] == "Loading" and s["observedGeneration"] == 2
     assert conditions(s)["Ready"][0] == "True"  # the old replica still serves
     assert conditions(s)["Progressing"] == ("True", "RollingOut")
@@ -186,9 +215,11 @@ def test_scaled_to_zero():
 def test_metrics_window_fills_status_and_low_acceptance_degrades():
     from ddtree_operator.metrics import Window
 
-    s = status(spec=spec(readiness={"minAcceptanceLength": 2.5}),
-               window=Window(acceptance_length=2.3456, tokens_per_second=123.456),
-               samples={"uid-p0": sample(1, 0, 0, 0, smoke_test_passed=True, graph_capture_seconds=7.25)})
+    s = status(
+        spec=spec(readiness={"minAcceptanceLength": 2.5}),
+        window=Window(acceptance_length=2.3456, tokens_per_second=123.456),
+        samples={"uid-p0": sample(1, 0, 0, 0, smoke_test_passed=True, graph_capture_seconds=7.25)},
+    )
     assert (s["acceptanceLength"], s["throughputTokensPerSecond"]) == (2.35, 123.5)
     assert s["lastScrapeTime"] == "2026-01-01T12:00:00Z"
     assert s["smokeTest"]["graphCaptureSeconds"] == 7.25
@@ -199,8 +230,11 @@ def test_idle_window_keeps_the_last_acceptance_length():
     from ddtree_operator.metrics import Window
 
     first = status(window=Window(acceptance_length=3.0, tokens_per_second=50.0))
-    later = status(previous=first, now=T0 + datetime.timedelta(seconds=30),
-                   window=Window(acceptance_length=None, tokens_per_second=0.0))
+    later = status(
+        previous=first,
+        now=T0 + datetime.timedelta(seconds=30),
+        window=Window(acceptance_length=None, tokens_per_second=0.0),
+    )
     assert later["acceptanceLength"] == 3.0 and later["throughputTokensPerSecond"] == 0.0
     assert later["lastScrapeTime"] == "2026-01-01T12:00:30Z"
 
@@ -209,8 +243,11 @@ def test_unchanged_world_means_no_patch():
     from ddtree_operator.metrics import Window
 
     first = status(window=Window(acceptance_length=3.0, tokens_per_second=50.0))
-    again = status(previous=first, now=T0 + datetime.timedelta(minutes=5),
-                   window=Window(acceptance_length=3.0, tokens_per_second=50.0))
+    again = status(
+        previous=first,
+        now=T0 + datetime.timedelta(minutes=5),
+        window=Window(acceptance_length=3.0, tokens_per_second=50.0),
+    )
     assert status_patch(first, again) == {}
     assert status_patch(first, status(previous=first, now=T0 + datetime.timedelta(minutes=5))) == {}
 
@@ -245,14 +282,24 @@ def test_pod_view_reads_kubelet_state():
     crashed = {
         "metadata": {"name": "p", "uid": "u"},
         "status": {
-            "phase": "Running", "podIP": "127.1.0.9",
+            "phase": "Running",
+            "podIP": "127.1.0.9",
             "conditions": [{"type": "Ready", "status": "False"}],
-            "containerStatuses": [{
-                "name": "engine", "ready": False, "restartCount": 2,
-                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                "lastState": {"terminated": {"exitCode": 3, "reason": "Error",
-                                             "message": "smoke test failed: output differs from target\n"}},
-            }],
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "ready": False,
+                    "restartCount": 2,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {
+                        "terminated": {
+                            "exitCode": 3,
+                            "reason": "Error",
+                            "message": "smoke test failed: output differs from target\n",
+                        }
+                    },
+                }
+            ],
         },
     }
     view = pod_view(crashed)
