@@ -76,6 +76,18 @@ def _figure():
     return plt, fig, ax
 
 
+def _save(plt, fig, ax, path: Path, xticks: list[int], **legend) -> bool:
+    """Label the measured x values (log axes otherwise show powers of ten), add the legend, write the PNG."""
+    if xticks:
+        ax.set_xticks(xticks, [str(x) for x in xticks])
+    ax.minorticks_off()
+    ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def _subtitle(data: dict, part: str) -> str:
     host = data["hosts"].get(part) or data["hosts"].get("", {})
     return ", ".join(str(host[k]) for k in ("gpu", "date", "commit") if host.get(k))
@@ -114,13 +126,7 @@ def chart_tokens_by_batch(data: dict, path: Path) -> bool:
         ylabel="tokens/s",
         title="SmolLM2-135M-Instruct + shipped drafter\n" + _subtitle(data, "smollm2"),
     )
-    ax.set_xticks(sorted({r["batch"] for r in rows}), [str(b) for b in sorted({r["batch"] for r in rows})])
-    ax.minorticks_off()
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path, sorted({r["batch"] for r in rows}))
 
 
 def chart_rounds_by_budget(data: dict, path: Path) -> bool:
@@ -151,14 +157,7 @@ def chart_rounds_by_budget(data: dict, path: Path) -> bool:
         ylabel="ms per round",
         title="Round time, Qwen3-8B shape (random weights)\n" + _subtitle(data, "rounds"),
     )
-    if budgets:
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-    ax.minorticks_off()
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path, budgets, fontsize=7, ncol=2)
 
 
 def chart_serve(data: dict, path: Path) -> bool:
@@ -181,13 +180,7 @@ def chart_serve(data: dict, path: Path) -> bool:
         ylabel="output tokens/s",
         title="ddtree serve, SmolLM2-135M-Instruct\n" + _subtitle(data, "serve"),
     )
-    ax.set_xticks(clients, [str(c) for c in clients])
-    ax.minorticks_off()
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path, clients)
 
 
 def chart_forward(data: dict, path: Path) -> bool:
@@ -206,13 +199,7 @@ def chart_forward(data: dict, path: Path) -> bool:
         title="One target forward, Qwen3-8B shape\n" + _subtitle(data, "micro"),
     )
     ax.set_ylim(bottom=0)
-    ax.set_xticks(widths, [str(t) for t in widths])
-    ax.minorticks_off()
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path, widths, loc="lower right")
 
 
 CHARTS = {

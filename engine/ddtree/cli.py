@@ -73,49 +73,19 @@ def _device_and_dtype(device: str | None, dtype: str | None):
 # element-wise path of the target: "auto" = the Triton kernels on CUDA when triton is importable
 DEFAULT_KERNELS = KernelConfig.backend  # Triton on CUDA when importable (measured faster and lossless in fp32)
 
+
 # flag dest -> config field, per command (the flags not listed here are the command's own)
-GENERATE_FLAGS = {
-    d: f
-    for d, f in FLAGS.items()
-    if d
-    in (
-        "model",
-        "drafter",
-        "method",
-        "budget",
-        "max_seq_len",
-        "device",
-        "dtype",
-        "kernels",
-        "tensor_parallel",
-        "replicate_drafter",
-    )
-}
+def _flags(*dests: str) -> dict[str, str]:
+    return {d: FLAGS[d] for d in dests}
+
+
+_MODEL_FLAGS = ("model", "drafter", "device", "dtype", "kernels")
+GENERATE_FLAGS = _flags(*_MODEL_FLAGS, "method", "budget", "max_seq_len", "tensor_parallel", "replicate_drafter")
 SMOKE_FLAGS = {
-    **{
-        d: f
-        for d, f in FLAGS.items()
-        if d
-        in (
-            "model",
-            "drafter",
-            "method",
-            "budget",
-            "max_seq_len",
-            "device",
-            "dtype",
-            "kernels",
-            "termination_log",
-            "no_graphs",
-        )
-    },
+    **_flags(*_MODEL_FLAGS, "method", "budget", "max_seq_len", "termination_log", "no_graphs"),
     "batch_sizes": "kernels.batch_buckets",
 }
-BENCH_FLAGS = {
-    d: f
-    for d, f in FLAGS.items()
-    if d in ("model", "drafter", "device", "dtype", "kernels", "tensor_parallel", "replicate_drafter")
-}
+BENCH_FLAGS = _flags(*_MODEL_FLAGS, "tensor_parallel", "replicate_drafter")
 
 
 def cmd_generate(args) -> int:
