@@ -495,7 +495,8 @@ def test_switch_is_explicit_and_dropped_on_move():
 
 @interp
 def test_bench_logit_difference_of_the_two_paths():
-    from ddtree.bench import logits_difference, random_model
+    from ddtree.bench import logits_difference
+    from ddtree.loading import random_model
 
     diff = logits_difference(random_model("tiny", "cpu", torch.float32), ctx=8, tokens=3)
     assert diff["max_abs_diff"] < 1e-4 and diff["argmax_agreement"] == 1.0, diff

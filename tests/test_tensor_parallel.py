@@ -358,7 +358,7 @@ def post(url, body, timeout=600):
 
 def reference_texts(smollm2, prompts, max_tokens):
     """The same requests through the scheduler on the unsplit engine, in this process."""
-    from ddtree.cli import load_drafter_ref, stop_ids
+    from ddtree.build import load_drafter_ref, stop_ids
     from ddtree.metrics import ServerMetrics
     from ddtree.scheduler import Request, Scheduler
 

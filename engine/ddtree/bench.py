@@ -22,7 +22,6 @@ import torch
 from .build import make_engine
 from .config import SpeculationConfig
 from .engine import Engine, SamplingParams
-from .loading import random_drafter, random_model  # noqa: F401 - re-exported for scripts
 from .model import Transformer
 
 

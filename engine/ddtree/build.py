@@ -12,19 +12,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import (  # noqa: F401
-    DTYPE_NAMES,
-    KERNEL_CHOICES,
-    ConfigError,
-    EngineConfig,
-    SpeculationConfig,
-)
+from .config import DTYPE_NAMES, ConfigError, EngineConfig, SpeculationConfig
 
 
 def torch_dtype(name: str):
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[DTYPE_NAMES[name]]
+
+
+def device_and_dtype(device: str | None, dtype: str | None):
+    """(device, torch dtype) of --device/--dtype as the engine commands resolve them (EngineConfig.resolve)."""
+    config = EngineConfig.from_dict(
+        {"model": {"id": "-", "device": device, "dtype": dtype}},
+        names={"model.device": "--device", "model.dtype": "--dtype"},
+    )
+    model = config.resolve(default_drafter=False).model
+    return model.device, torch_dtype(model.dtype)
 
 
 def use_triton_kernels(choice: str, device: str) -> bool:
@@ -37,7 +41,7 @@ def use_triton_kernels(choice: str, device: str) -> bool:
 
 def load_target(ref: str, device: str, dtype, revision: str | None = None, kernels: str = "torch"):
     """(model, tokenizer) for a built-in id, local folder, .gguf file or hub id; `kernels` picks the
-    element-wise path (KERNEL_CHOICES)."""
+    element-wise path (auto, torch or triton)."""
     from transformers import AutoTokenizer
 
     from .loading import RANDOM_PREFIX, random_model, resolve_model

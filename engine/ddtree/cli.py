@@ -6,22 +6,15 @@ import argparse
 import json
 import sys
 
-from .build import (  # noqa: F401
-    load_drafter_ref,
-    load_target,
-    stop_ids,
-    target_config,
-    use_triton_kernels,
-)
+from .build import stop_ids, target_config
 from .config import (
     DEFAULT_SMOKE_BUCKETS,
     FLAGS,
     KERNEL_CHOICES,
-    ConfigError,
     EngineConfig,
     KernelConfig,
+    parse_int_list,
 )
-from .config import parse_int_list as _parse_int_list
 
 
 class UsageError(Exception):
@@ -56,18 +49,6 @@ def parse_budget(text: str) -> int | dict[int, int]:
     if min(policy) < 1 or min(policy.values()) < 0:
         raise argparse.ArgumentTypeError(f"--budget: batch sizes must be >= 1 and budgets >= 0, got '{text}'")
     return policy
-
-
-def _device_and_dtype(device: str | None, dtype: str | None):
-    """(device, torch dtype) of --device/--dtype as the engine commands resolve them (EngineConfig.resolve)."""
-    from .build import torch_dtype
-
-    config = EngineConfig.from_dict(
-        {"model": {"id": "-", "device": device, "dtype": dtype}},
-        names={"model.device": "--device", "model.dtype": "--dtype"},
-    )
-    model = config.resolve(default_drafter=False).model
-    return model.device, torch_dtype(model.dtype)
 
 
 # element-wise path of the target: "auto" = the Triton kernels on CUDA when triton is importable
@@ -157,13 +138,6 @@ def generate_on_rank(rank: int, world: int, config: EngineConfig, args) -> dict:
         "budget": engine.budget,
         "tensor_parallel": world,
     }
-
-
-def parse_int_list(text: str, flag: str) -> list[int]:
-    try:
-        return _parse_int_list(text, flag)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
 
 
 def cmd_smoke(args) -> int:

@@ -626,9 +626,9 @@ def make_data(
     t0 = time.perf_counter()
     target_id = target if isinstance(target, str) else (target_name or "<in-memory model>")
     if isinstance(target, str):
-        from .cli import _device_and_dtype, load_target
+        from .build import device_and_dtype, load_target
 
-        device, dtype = _device_and_dtype(device, None if dtype is None else str(dtype).removeprefix("torch."))
+        device, dtype = device_and_dtype(device, None if dtype is None else str(dtype).removeprefix("torch."))
         target, loaded_tok = load_target(target_id, device, dtype)
         tokenizer = tokenizer or loaded_tok
     tokenizer = tokenizer or ByteTokenizer(target.config.vocab_size)

@@ -726,7 +726,7 @@ async def _serve(server: EngineServer) -> int:
 
 
 def _int_list(text: str, flag: str) -> list[int]:
-    from .cli import parse_int_list
+    from .config import parse_int_list
 
     return sorted(set(parse_int_list(text, flag)))
 

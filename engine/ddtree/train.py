@@ -883,7 +883,7 @@ def _file_errors_as_usage(handler):
 
 @_file_errors_as_usage
 def cmd_make_data(args) -> int:
-    from .cli import _device_and_dtype, load_target
+    from .build import device_and_dtype, load_target
     from .data import make_data
 
     for name in ("num_prompts", "prompt_tokens", "continuation_tokens", "batch_size"):
@@ -892,7 +892,7 @@ def cmd_make_data(args) -> int:
     if not 0 <= args.held_out < 1:
         raise _usage(f"--held-out must be in [0, 1), got {args.held_out}")
     mix = _parse_mix(args.mix)
-    device, dtype = _device_and_dtype(args.device, args.dtype)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     target, tok = load_target(args.target, device, dtype)
     out = _data_path(args.out)
     data = make_data(
@@ -931,7 +931,7 @@ def _parse_mix(text: str) -> tuple[float, float, float]:
 
 @_file_errors_as_usage
 def cmd_train_drafter(args) -> int:
-    from .cli import _device_and_dtype, load_target
+    from .build import device_and_dtype, load_target
     from .data import make_data
 
     if args.resume and args.init:
@@ -945,7 +945,7 @@ def cmd_train_drafter(args) -> int:
         raise _usage(f"--block-size must be >= 2, got {args.block_size}")
     if args.gamma <= 0 or args.lr <= 0 or not 0 <= args.warmup < 1:
         raise _usage("--gamma and --lr must be > 0 and --warmup in [0, 1)")
-    device, dtype = _device_and_dtype(args.device, args.dtype)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     torch.manual_seed(args.seed)
     target, tok = load_target(args.target, device, dtype)
     if args.resume and not args.data:  # the data the checkpoint was trained on
