@@ -47,7 +47,7 @@ PROMPTS = [
 def serve_available() -> tuple[bool, str]:
     """Whether this environment has `ddtree serve` (the engine's HTTP server)."""
     probe = subprocess.run(
-        [sys.executable, "-m", "ddtree.cli", "serve", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "ddtree", "serve", "--help"], capture_output=True, text=True, timeout=120
     )
     return probe.returncode == 0, (probe.stderr or probe.stdout).strip()[-500:]
 
@@ -173,7 +173,7 @@ class EngineRunner:
         self._set_status(pod.metadata.name, ready=False, state={"running": {"startedAt": _now()}})
         with open(log, "wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "ddtree.cli", *args],
+                [sys.executable, "-m", "ddtree", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

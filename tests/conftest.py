@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from ddtree.drafter import DrafterConfig, init_drafter
-from ddtree.model import Transformer
+from ddtree.models.llama import Transformer
+from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from tiny_models import random_target
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,7 +41,7 @@ def smollm2():
     """The real SmolLM2-135M-Instruct (built-in id), fp32 on CPU, with its tokenizer."""
     from transformers import AutoTokenizer
 
-    from ddtree.loading import resolve_model
+    from ddtree.models.checkpoint import resolve_model
 
     folder = resolve_model("smollm2-135m-instruct")
     return Transformer.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder), folder

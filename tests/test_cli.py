@@ -10,7 +10,7 @@ import pytest
 
 def run_cli(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "ddtree.cli", *args],
+        [sys.executable, "-m", "ddtree", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},

@@ -157,7 +157,7 @@ def test_yaml_and_json_round_trip(tmp_path):
 
 def run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "ddtree.cli", *args],
+        [sys.executable, "-m", "ddtree", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},

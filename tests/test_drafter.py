@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from ddtree.drafter import (
+from ddtree.models.llama import ModelConfig
+from ddtree.speculative.drafter import (
     DrafterConfig,
     DrafterMismatchError,
     default_target_layer_ids,
@@ -13,7 +14,6 @@ from ddtree.drafter import (
     load_drafter,
     save_drafter,
 )
-from ddtree.model import ModelConfig
 
 ZLAB_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
     f"layers.0.{k}.weight"

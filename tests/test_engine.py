@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from ddtree.drafter import DrafterConfig, init_drafter
-from ddtree.engine import Engine, SamplingParams
-from ddtree.tree import build_ddtree
-from ddtree.verify import tree_mask, walk
+from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.speculative.drafter import DrafterConfig, init_drafter
+from ddtree.speculative.tree import build_ddtree
+from ddtree.speculative.verify import tree_mask, walk
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
@@ -45,7 +45,7 @@ def test_tree_mask_and_depth_positions_equal_causal_paths(tiny_target):
 
 def test_walk_follows_target_decisions():
     # root 0 -> {1: tok 5, 2: tok 6}; 1 -> {3: tok 7}; 3 -> {4: tok 8}
-    from ddtree.tree import Tree, ancestor_mask
+    from ddtree.speculative.tree import Tree, ancestor_mask
 
     parents = torch.tensor([[-1, 0, 0, 1, 3]])
     tree = Tree(
@@ -82,7 +82,7 @@ def sequential_walk(tree, decisions, row):
 @pytest.mark.parametrize("seed", range(8))
 def test_vectorised_walk_equals_sequential_walk(seed):
     """Random top-B trees (with padding) and target decisions that often follow the tree."""
-    from ddtree.tree import build_ddtree
+    from ddtree.speculative.tree import build_ddtree
 
     g = torch.Generator().manual_seed(seed)
     vocab, depth, budget = 3 + seed % 3, 6, 4 + 5 * seed
@@ -295,8 +295,8 @@ def test_budget_zero_decodes_without_drafting_and_keeps_the_drafter_context(tiny
 
 
 def test_drafter_for_another_target_is_refused(tiny_target):
-    from ddtree.drafter import DrafterMismatchError
-    from ddtree.model import ModelConfig
+    from ddtree.models.llama import ModelConfig
+    from ddtree.speculative.drafter import DrafterMismatchError
 
     other = ModelConfig(
         vocab_size=99,

@@ -4,10 +4,10 @@ GPU tests are skipped on CPU; the shape checks and the smoke logic run everywher
 import pytest
 import torch
 
-from ddtree.drafter import DrafterConfig, init_drafter
-from ddtree.engine import Engine, SamplingParams
-from ddtree.graphs import GraphShapeError, RoundGraphs
-from ddtree.smoke import run_smoke
+from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.runtime.graphs import GraphShapeError, RoundGraphs
+from ddtree.runtime.smoke import run_smoke
+from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from tiny_models import random_target
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")

@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddtree.model import KVCache, ModelConfig, Transformer, apply_rope
+from ddtree.models.layers import KVCache, apply_rope
+from ddtree.models.llama import ModelConfig, Transformer
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.triton_interpreter  # skipped unless TRITON_INTERPRET=1 (conftest.py)
@@ -31,7 +32,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 
 
 def check_qk_norm_rope_kv(device, dtype, rows_given, norm, T, heads, kv_heads, head_dim):
-    from ddtree.kernels import qk_norm_rope_kv
+    from ddtree.runtime.kernels import qk_norm_rope_kv
 
     g = torch.Generator().manual_seed(T * 100 + heads * 10 + head_dim)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
@@ -72,7 +73,7 @@ def check_qk_norm_rope_kv(device, dtype, rows_given, norm, T, heads, kv_heads, h
 
 
 def check_silu_mul(device, dtype, inter):
-    from ddtree.kernels import silu_mul
+    from ddtree.runtime.kernels import silu_mul
 
     gate_up = torch.randn(2, 3, 2 * inter).to(device, dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
@@ -90,7 +91,7 @@ GEMV_CASES = [  # (N, K, silu_mul, bias, config): block-aligned and ragged, one 
 
 
 def check_gemv(device, dtype, n, k, silu_mul, bias, config):
-    from ddtree.kernels import gemv
+    from ddtree.runtime.kernels import gemv
 
     g = torch.Generator().manual_seed(n * k)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)  # outputs of order 1 at any K
@@ -119,7 +120,7 @@ SKINNY_CASES = [  # (rows, N, K, config, gate_up): tl.dot's 16-row minimum and r
 
 
 def check_skinny_linear(device, dtype, rows, n, k, config, gate_up):
-    from ddtree.kernels import skinny_applies, skinny_linear
+    from ddtree.runtime.kernels import skinny_applies, skinny_linear
 
     g = torch.Generator().manual_seed(rows * n)
     w = (torch.randn(2 * n if gate_up else n, k, generator=g) / k**0.5).to(device, dtype)
@@ -151,7 +152,7 @@ def check_skinny_linear(device, dtype, rows, n, k, config, gate_up):
 
 
 def check_add_rms_norm(device, dtype, n):
-    from ddtree.kernels import add_rms_norm
+    from ddtree.runtime.kernels import add_rms_norm
 
     x, r = torch.randn(2, 5, n).to(device, dtype), torch.randn(2, 5, n).to(device, dtype)
     w = (torch.rand(n) + 0.5).to(device, dtype)
@@ -165,7 +166,7 @@ def check_add_rms_norm(device, dtype, n):
 
 def check_attention(device, dtype, cases):
     """The chunked attention equals SDPA over the cache rows and span the mask selects."""
-    from ddtree.kernels import attention
+    from ddtree.runtime.kernels import attention
 
     g = torch.Generator().manual_seed(7)
     for bs, heads, kv_heads, T, hd, span, rows_given, broadcast in cases:
@@ -203,7 +204,7 @@ def check_attention(device, dtype, cases):
 def check_mask_extent(device):
     """One past the last slot any query sees, per sequence: masks that end early, all-False ones,
     broadcast over the batch, one query and more queries than a row tile holds."""
-    from ddtree.kernels import mask_extent
+    from ddtree.runtime.kernels import mask_extent
 
     g = torch.Generator().manual_seed(3)
     for bs, T, span in ((3, 33, 1100), (2, 1, 300), (1, 130, 9000), (4, 9, 17)):
@@ -231,7 +232,7 @@ ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask
 def check_best_first_tree(device):
     """The one-launch tree equals the tensorised top-B (as sets of token paths) with the same structure
     rules; includes padding (fewer prefixes than the budget) and probability-one rows (score ties)."""
-    from ddtree.tree import ancestor_mask, build_ddtree
+    from ddtree.speculative.tree import ancestor_mask, build_ddtree
     from test_tree import brute_force_top_b, check_structure, tree_paths
 
     cases = [(2, 3, 10), (3, 2, 4), (1, 4, 7), (4, 3, 40), (15, 50, 32), (15, 300, 128)]  # (D, V, B)
@@ -383,7 +384,7 @@ TINY_SKINNY = {"o": (16, 16, 3, 4, 2), "gate_up": (16, 16, 1, 4, 2)}
 def test_model_with_kernels_and_skinny_linear(monkeypatch, o_splits):
     """o (as K-split partial products summed by add_rms_norm, or whole) and gate/up with silu_mul through
     kernels.skinny_linear on the prefill (14 rows) and the batch-2 decode step (2 rows); bf16 only."""
-    from ddtree import kernels
+    from ddtree.runtime import kernels
 
     monkeypatch.setattr(kernels, "SKINNY_CONFIGS", {**TINY_SKINNY, "o": (16, 16, o_splits, 4, 2)})
     check_model("cpu", torch.bfloat16, qk_norm=True)
@@ -401,7 +402,7 @@ def test_skinny_linear(dtype, case):
 def test_model_with_kernels_past_the_decode_attention_batch(monkeypatch):
     """One-token steps of more sequences than ATTENTION_DECODE_MAX_BATCH go through SDPA inside the
     kernels path; here from 2 sequences on, so that run_model's batch-2 decode step takes that branch."""
-    from ddtree import kernels
+    from ddtree.runtime import kernels
 
     monkeypatch.setattr(kernels, "ATTENTION_DECODE_MAX_BATCH", 1)
     check_model("cpu", torch.float32, qk_norm=True)
@@ -427,8 +428,8 @@ def test_best_first_tree_kernel_equals_the_tensorised_tree():
 def test_engine_with_kernels_is_lossless():
     """ddtree and dflash rounds with the Triton kernels (tree kernel included) emit plain decoding's
     greedy tokens."""
-    from ddtree.drafter import DrafterConfig, init_drafter
-    from ddtree.engine import Engine, SamplingParams
+    from ddtree.runtime.engine import Engine, SamplingParams
+    from ddtree.speculative.drafter import DrafterConfig, init_drafter
     from tiny_models import random_target
 
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
@@ -446,7 +447,7 @@ def test_engine_with_kernels_is_lossless():
 def test_drafter_with_kernels_equals_without():
     """The drafter's block forward and context append (prompt rows given, and padding rows sent to the
     trash slot) with the kernels: outputs and caches as with the PyTorch path."""
-    from ddtree.drafter import DrafterConfig, init_drafter
+    from ddtree.speculative.drafter import DrafterConfig, init_drafter
     from tiny_models import random_target
 
     target = random_target(seed=5)
@@ -495,8 +496,8 @@ def test_switch_is_explicit_and_dropped_on_move():
 
 @interp
 def test_bench_logit_difference_of_the_two_paths():
-    from ddtree.bench import logits_difference
-    from ddtree.loading import random_model
+    from ddtree.models.random import random_model
+    from ddtree.runtime.bench import logits_difference
 
     diff = logits_difference(random_model("tiny", "cpu", torch.float32), ctx=8, tokens=3)
     assert diff["max_abs_diff"] < 1e-4 and diff["argmax_agreement"] == 1.0, diff
@@ -521,7 +522,7 @@ def test_bench_micro_kernels_flag_on_cpu():
     base = [
         sys.executable,
         "-m",
-        "ddtree.cli",
+        "ddtree",
         "bench",
         "--model",
         "random:tiny",
@@ -557,7 +558,7 @@ def test_kernels_compile_for_h200_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ddtree import kernels as K
+    from ddtree.runtime import kernels as K
 
     def compile_(fn, dtype, ints, consts, warps):
         sig = {
@@ -695,7 +696,7 @@ def test_compiled_kernels_equal_the_reference(dtype):
         (1000, 700, True, False, None),
     ]:
         check_gemv("cuda", dtype, *case)
-    from ddtree.kernels import SKINNY_CONFIGS
+    from ddtree.runtime.kernels import SKINNY_CONFIGS
 
     for case in SKINNY_CASES + [
         (33, 4096, 4096, SKINNY_CONFIGS["o"], False),
@@ -721,7 +722,7 @@ def test_compiled_kernels_equal_the_reference(dtype):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_model_with_kernels_equals_without(dtype, monkeypatch):
-    from ddtree import kernels
+    from ddtree.runtime import kernels
 
     for skinny in ({}, TINY_SKINNY, {**TINY_SKINNY, "o": (16, 16, 1, 4, 2)}):  # none, o split in 3, o whole
         monkeypatch.setattr(kernels, "SKINNY_CONFIGS", skinny)

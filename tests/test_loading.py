@@ -13,8 +13,10 @@ import torch
 import transformers
 from gguf.quants import quantize
 
-from ddtree import loading
-from ddtree.loading import ModelNotFoundError
+from ddtree.models import checkpoint as loading
+from ddtree.models import gguf as gguf_convert
+from ddtree.models import random
+from ddtree.models.checkpoint import ModelNotFoundError
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -204,7 +206,7 @@ def _check_against(model, config, state):
 def test_gguf_to_hf_matches_original(tmp_path, arch):
     model = _tiny_model(arch)
     path = _write_gguf(tmp_path / f"{arch}.gguf", model, arch)
-    config, state = loading.gguf_to_hf(path)
+    config, state = gguf_convert.gguf_to_hf(path)
     assert config["model_type"] == arch
     assert config["attention_bias"] == (arch == "qwen2")
     assert config["rope_scaling"] is None
@@ -226,7 +228,7 @@ def test_gguf_llama3_rope_freqs(tmp_path):
     d = model.config.head_dim
     default = 1.0 / 500000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     path = _write_gguf(tmp_path / "llama3.gguf", model, "llama", rope_freqs=(default / inv_freq.double()).numpy())
-    config, state = loading.gguf_to_hf(path)
+    config, state = gguf_convert.gguf_to_hf(path)
     assert config["rope_scaling"] == scaling
     assert config["max_position_embeddings"] == 131072
     _check_against(model, config, state)
@@ -238,7 +240,7 @@ def test_gguf_to_hf_rejects_wrong_shape(tmp_path):
 
     path = _write_gguf(tmp_path / "bad.gguf", _tiny_model("llama"), "llama", edit=transpose_ffn_up)
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight has shape \(64, 128\), expected \(128, 64\)"):
-        loading.gguf_to_hf(path)
+        gguf_convert.gguf_to_hf(path)
 
 
 def test_convert_and_resolve_local_gguf(tmp_path, monkeypatch):
@@ -275,7 +277,7 @@ def test_convert_and_resolve_local_gguf(tmp_path, monkeypatch):
 @pytest.mark.parametrize("add_bos", [True, False])
 def test_convert_gguf_add_bos_token(tmp_path, add_bos):
     path = _write_gguf(tmp_path / "tiny.gguf", _tiny_model("qwen2"), "qwen2", add_bos=add_bos)
-    tok = transformers.AutoTokenizer.from_pretrained(loading.convert_gguf(path, tmp_path / "out", progress=False))
+    tok = transformers.AutoTokenizer.from_pretrained(gguf_convert.convert_gguf(path, tmp_path / "out", progress=False))
     ids = tok("hello")["input_ids"]
     assert ids == ([1] if add_bos else []) + [TOKENS.index("hello")]
     assert tok.decode(ids, skip_special_tokens=True) == "hello"
@@ -289,7 +291,7 @@ def test_convert_gguf_is_atomic_on_failure(tmp_path, monkeypatch):
 
     monkeypatch.setattr("safetensors.torch.save_file", broken)
     with pytest.raises(OSError, match="disk full"):
-        loading.convert_gguf(path, tmp_path / "out", progress=False)
+        gguf_convert.convert_gguf(path, tmp_path / "out", progress=False)
     assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]
 
 
@@ -485,7 +487,7 @@ def test_random_models_repeat_the_last_token_by_a_wide_margin(shape, overrides):
     """`random:` models are for cost runs, but their greedy choice must not be a near-tie: the smoke
     test compares bf16 graphs with eager, which round differently. The next token is the current one,
     with a margin far above bf16's rounding, and bf16 picks the same tokens as fp32."""
-    model = loading.random_model(shape, "cpu", torch.float32, **overrides)
+    model = random.random_model(shape, "cpu", torch.float32, **overrides)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(0))
     j = torch.arange(24)
@@ -502,4 +504,4 @@ def test_random_models_repeat_the_last_token_by_a_wide_margin(shape, overrides):
     assert (top[:, 0] - top[:, 1]).min() > 5.0
     assert torch.equal(greedy(model.to(torch.bfloat16)).argmax(-1), ids[0])
     with pytest.raises(ValueError, match="unknown random shape 'qwen9' \\(known: qwen3-8b, tiny\\)"):
-        loading.random_config("random:qwen9")
+        random.random_config("random:qwen9")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from ddtree.model import ModelConfig, Transformer
+from ddtree.models.llama import ModelConfig, Transformer
 
 
 def hf_model(kind: str):

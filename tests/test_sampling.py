@@ -5,8 +5,8 @@ import collections
 import pytest
 import torch
 
-from ddtree.drafter import DrafterConfig, init_drafter
-from ddtree.engine import Engine, SamplingParams
+from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from tiny_models import random_target
 
 

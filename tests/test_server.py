@@ -3,7 +3,7 @@ Prometheus metrics, bad input and load.
 
 The scheduler's token handling (stop strings across tokens, UTF-8, max_tokens and stop tokens inside an
 accepted path, queue bound, cancellation) runs against a scripted fake engine; everything else runs
-real `python -m ddtree.server serve` processes with SmolLM2-135M on CPU, bound to 127.0.0.1.
+real `python -m ddtree serve` processes with SmolLM2-135M on CPU, bound to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from ddtree.metrics import ServerMetrics, read_samples, total
+from ddtree.serving.metrics import ServerMetrics, read_samples, total
 
 MODEL = "smollm2-135m-instruct"
 # One torch thread per server: on a small shared CI machine, OpenMP threads of several busy processes
@@ -61,7 +61,7 @@ def assert_openai_error(status: int, body, expected_status: int, needle: str = "
 
 
 class Server:
-    """A `python -m ddtree.server serve` subprocess on a free 127.0.0.1 port (--port 0)."""
+    """A `python -m ddtree serve` subprocess on a free 127.0.0.1 port (--port 0)."""
 
     def __init__(self, args: list[str], log_path):
         self.log_path = log_path
@@ -70,7 +70,7 @@ class Server:
             [
                 sys.executable,
                 "-m",
-                "ddtree.server",
+                "ddtree",
                 "serve",
                 "--model",
                 MODEL,
@@ -125,9 +125,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory):
-    from ddtree.drafter import DrafterConfig, init_drafter, save_drafter
-    from ddtree.loading import load_config, resolve_model
-    from ddtree.model import ModelConfig
+    from ddtree.models.checkpoint import load_config, resolve_model
+    from ddtree.models.llama import ModelConfig
+    from ddtree.speculative.drafter import DrafterConfig, init_drafter, save_drafter
 
     target = ModelConfig.from_hf(load_config(resolve_model(MODEL)))
     out = tmp_path_factory.mktemp("drafter") / "drafter"
@@ -199,7 +199,7 @@ def ar_server(tmp_path_factory):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from ddtree.loading import resolve_model
+    from ddtree.models.checkpoint import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(MODEL))
 
@@ -250,7 +250,7 @@ class ScriptedEngine:
 
 def run_requests(engine, tokenizer, reqs, max_waiting=4):
     """Run (prompt, SamplingParams, stop) requests through a Scheduler; returns per request its events."""
-    from ddtree.scheduler import Request, Scheduler
+    from ddtree.serving.scheduler import Request, Scheduler
 
     m = ServerMetrics("test")
     sched = Scheduler(engine, tokenizer, m, max_waiting)
@@ -275,7 +275,7 @@ def run_requests(engine, tokenizer, reqs, max_waiting=4):
 
 
 def test_scheduler_stop_strings_utf8_and_truncation_inside_rounds(tokenizer):
-    from ddtree.engine import SamplingParams
+    from ddtree.runtime.engine import SamplingParams
 
     text = "Héllo wörld 😀 — 世界! The END is near, but not yet."
     ids = tokenizer.encode(text)
@@ -319,8 +319,8 @@ def test_scheduler_stop_strings_utf8_and_truncation_inside_rounds(tokenizer):
 
 
 def test_scheduler_queue_bound_and_cancellation_free_slots(tokenizer):
-    from ddtree.engine import SamplingParams
-    from ddtree.scheduler import QueueFull, Request, Scheduler
+    from ddtree.runtime.engine import SamplingParams
+    from ddtree.serving.scheduler import QueueFull, Request, Scheduler
 
     scripts = {i: (list(range(1000, 1100)), [1] * 99) for i in range(200, 206)}
     eng = ScriptedEngine(scripts, max_batch_size=2)
@@ -368,8 +368,8 @@ def test_scheduler_queue_bound_and_cancellation_free_slots(tokenizer):
 
 
 def test_scheduler_survives_a_failed_round_and_reports_a_dead_engine(tokenizer):
-    from ddtree.engine import SamplingParams
-    from ddtree.scheduler import NotRunning, Request, Scheduler
+    from ddtree.runtime.engine import SamplingParams
+    from ddtree.serving.scheduler import NotRunning, Request, Scheduler
 
     class Failing(ScriptedEngine):
         error: type = RuntimeError
@@ -465,7 +465,7 @@ def test_forced_smoke_failure_exits_nonzero_with_the_reason_in_the_termination_l
 
 
 def test_bad_flags_are_usage_errors(capsys):
-    from ddtree.server import main
+    from ddtree.cli import main
 
     for argv, needle in [
         (["serve", "--model", "/local/model", "--method", "ddtree"], "needs --drafter"),
@@ -754,7 +754,7 @@ def test_budget_zero_above_one_request_keeps_greedy_output(drafter_dir, tmp_path
 
 @pytest.mark.slow
 def test_bench_serve_load_generator(ddtree_server):
-    from ddtree.server import bench_serve
+    from ddtree.serving.loadgen import bench_serve
 
     results = asyncio.run(bench_serve(ddtree_server.url, (1, 4), requests_per_client=1, max_tokens=4))
     assert [r["concurrency"] for r in results] == [1, 4]

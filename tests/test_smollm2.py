@@ -4,8 +4,8 @@ tokens of plain decoding, for batches of prompts of different lengths."""
 import pytest
 import torch
 
-from ddtree.drafter import DrafterConfig, init_drafter
-from ddtree.engine import Engine, SamplingParams
+from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.speculative.drafter import DrafterConfig, init_drafter
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +81,8 @@ def test_shipped_drafter_is_lossless_and_accepts_on_held_out_code(smollm2):
     import sysconfig
     from pathlib import Path
 
-    from ddtree.drafter import load_drafter
-    from ddtree.loading import resolve_model
+    from ddtree.models.checkpoint import resolve_model
+    from ddtree.speculative.drafter import load_drafter
 
     model, tok, _ = smollm2
     drafter = load_drafter(resolve_model("smollm2-135m-instruct-dflash"), model.config, dtype=torch.float32)

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddtree.drafter import DrafterConfig, init_drafter
-from ddtree.engine import Engine, SamplingParams
-from ddtree.parallel import Leader, check_divisible, command_group, follow, launch, shard, split
+from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.runtime.parallel import Leader, check_divisible, command_group, follow, launch, shard, split
+from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from tiny_models import random_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
@@ -64,7 +64,7 @@ def test_generate_on_a_random_model_is_the_same_split_or_not():
         cmd = [
             sys.executable,
             "-m",
-            "ddtree.cli",
+            "ddtree",
             "generate",
             "--model",
             "random:tiny",
@@ -101,7 +101,7 @@ def nccl_graph_rank(rank, world):
     in the group teardown that follows) prints its stack and exits, which fails the test."""
     import faulthandler
 
-    from ddtree.loading import random_drafter
+    from ddtree.speculative.drafter import random_drafter
 
     faulthandler.dump_traceback_later(240, exit=True)  # never cancelled: it ends with the process
 
@@ -140,7 +140,7 @@ def test_nccl_tensor_parallel_in_cuda_graphs_equals_one_gpu():
 
 
 def smollm2_rank(rank, world, folder, prompts):
-    from ddtree.model import Transformer
+    from ddtree.models.llama import Transformer
 
     torch.set_num_threads(1)
     target = Transformer.from_pretrained(folder, dtype=torch.float32)
@@ -262,7 +262,7 @@ def test_followers_replay_rank0_calls_in_step_and_greedy_equals_tp1():
 
 @pytest.mark.slow
 def test_serve_refuses_a_split_that_does_not_divide_the_model(smollm2, capsys, monkeypatch):
-    from ddtree.server import main
+    from ddtree.cli import main
 
     base = ["serve", "--model", "smollm2-135m-instruct", "--method", "ar", "--device", "cpu"]
     assert main([*base, "--tensor-parallel", "2"]) == 2
@@ -295,7 +295,7 @@ def start_server(*args, log):
         [
             sys.executable,
             "-m",
-            "ddtree.server",
+            "ddtree",
             "serve",
             "--model",
             "smollm2-135m-instruct",
@@ -358,9 +358,9 @@ def post(url, body, timeout=600):
 
 def reference_texts(smollm2, prompts, max_tokens):
     """The same requests through the scheduler on the unsplit engine, in this process."""
-    from ddtree.build import load_drafter_ref, stop_ids
-    from ddtree.metrics import ServerMetrics
-    from ddtree.scheduler import Request, Scheduler
+    from ddtree.runtime.build import load_drafter_ref, stop_ids
+    from ddtree.serving.metrics import ServerMetrics
+    from ddtree.serving.scheduler import Request, Scheduler
 
     model, tok, _ = smollm2
     drafter = load_drafter_ref("smollm2-135m-instruct-dflash", model, "cpu", torch.float32)
@@ -385,7 +385,7 @@ def reference_texts(smollm2, prompts, max_tokens):
 
 @pytest.mark.slow
 def test_serve_tp3_answers_like_tp1_and_sigterm_ends_every_rank(smollm2, tmp_path):
-    from ddtree.metrics import read_samples, total
+    from ddtree.serving.metrics import read_samples, total
 
     max_tokens = 24
     expected = reference_texts(smollm2, SERVE_PROMPTS, max_tokens)

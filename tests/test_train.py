@@ -1,15 +1,17 @@
 """Drafter training: self-distillation data, the cache-free training forward (== inference), loss goes
 down, the saved drafter is lossless in the engine, resume is exact, mismatches are refused, CLI."""
 
-import argparse
 import copy
 import json
 
 import pytest
 import torch
 
-from ddtree.data import (
-    ByteTokenizer,
+from ddtree.models.llama import ModelConfig, Transformer
+from ddtree.models.random import ByteTokenizer
+from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.speculative.drafter import DrafterConfig, DrafterMismatchError, init_drafter, load_drafter, save_drafter
+from ddtree.training.data import (
     TokenData,
     corpus_files,
     cut_prompts,
@@ -17,28 +19,15 @@ from ddtree.data import (
     make_data,
     stdlib_files,
 )
-from ddtree.drafter import (
-    DrafterConfig,
-    DrafterMismatchError,
-    init_drafter,
-    load_drafter,
-    save_drafter,
-)
-from ddtree.engine import Engine, SamplingParams
-from ddtree.model import ModelConfig, Transformer
-from ddtree.train import (
+from ddtree.training.loop import evaluate, find_checkpoint, lr_at, train_drafter
+from ddtree.training.recipe import (
     Sampler,
     TrainConfig,
     block_hidden,
     build_batch,
     copy_target_layers,
-    evaluate,
-    find_checkpoint,
-    lr_at,
     make_drafter_config,
-    register,
     target_features,
-    train_drafter,
 )
 
 FILES = [str(p) for p in stdlib_files()[:12]]
@@ -179,7 +168,7 @@ def test_training_forward_equals_inference_forward(target, data):
 
 
 def test_loss_weights_and_schedule():
-    from ddtree.train import position_weights
+    from ddtree.training.recipe import position_weights
 
     w = position_weights(16, 7.0)
     assert w.shape == (15,) and w[0] == 1.0 and abs(float(w[7]) - float(torch.exp(torch.tensor(-1.0)))) < 1e-6
@@ -337,16 +326,14 @@ def _tiny_hf_folder(target, folder):
 
 
 def test_cli_make_data_train_and_resume(target, tmp_path, capsys):
-    from ddtree.cli import UsageError
+    from ddtree import cli
+    from ddtree.config import UsageError
 
-    parser = argparse.ArgumentParser(prog="ddtree")
-    register(parser.add_subparsers(dest="command", required=True))
     folder = tmp_path / "tiny"
     _tiny_hf_folder(target, folder)
 
     def run(*argv):
-        args = parser.parse_args(list(argv))
-        return args.func(args)
+        return cli.run(list(argv))
 
     base = ["--target", str(folder), "--device", "cpu"]
     assert (

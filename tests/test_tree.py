@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ddtree.tree import ancestor_mask, build_chain, build_ddtree, root_only
+from ddtree.speculative.tree import ancestor_mask, build_chain, build_ddtree, root_only
 
 
 def brute_force_top_b(logp: torch.Tensor, budget: int) -> set[tuple[int, ...]]:

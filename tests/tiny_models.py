@@ -2,7 +2,7 @@
 
 import torch
 
-from ddtree.model import ModelConfig, Transformer
+from ddtree.models.llama import ModelConfig, Transformer
 
 
 def random_target(vocab=64, hidden=64, layers=4, heads=4, kv_heads=2, seed=0, scale=0.3) -> Transformer:

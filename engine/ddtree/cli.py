@@ -1,24 +1,17 @@
-"""The `ddtree` command line."""
+"""The `ddtree` command line: parses arguments and hands them to the command's handler.
+
+Handlers live with their concern (ddtree.runtime.commands, ddtree.serving.commands,
+ddtree.training.commands) and are imported only when their command runs, so that `ddtree --help` and
+argument errors do not import torch.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import sys
 
-from .build import stop_ids, target_config
-from .config import (
-    DEFAULT_SMOKE_BUCKETS,
-    FLAGS,
-    KERNEL_CHOICES,
-    EngineConfig,
-    KernelConfig,
-    parse_int_list,
-)
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
+from .config import KERNEL_CHOICES, SMOKE_FAULTS, KernelConfig, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,252 +46,6 @@ def parse_budget(text: str) -> int | dict[int, int]:
 
 # element-wise path of the target: "auto" = the Triton kernels on CUDA when triton is importable
 DEFAULT_KERNELS = KernelConfig.backend  # Triton on CUDA when importable (measured faster and lossless in fp32)
-
-
-# flag dest -> config field, per command (the flags not listed here are the command's own)
-def _flags(*dests: str) -> dict[str, str]:
-    return {d: FLAGS[d] for d in dests}
-
-
-_MODEL_FLAGS = ("model", "drafter", "device", "dtype", "kernels")
-GENERATE_FLAGS = _flags(*_MODEL_FLAGS, "method", "budget", "max_seq_len", "tensor_parallel", "replicate_drafter")
-SMOKE_FLAGS = {
-    **_flags(*_MODEL_FLAGS, "method", "budget", "max_seq_len", "termination_log", "no_graphs"),
-    "batch_sizes": "kernels.batch_buckets",
-}
-BENCH_FLAGS = _flags(*_MODEL_FLAGS, "tensor_parallel", "replicate_drafter")
-
-
-def cmd_generate(args) -> int:
-    import os
-
-    config = EngineConfig.from_args(args, GENERATE_FLAGS)
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
-    config = config.resolve()
-    device_type = config.model.device.split(":")[0]
-    tp = config.parallel.tensor_parallel
-    if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
-        from .parallel import init_from_env
-
-        rank, world = init_from_env(device_type)
-        out = generate_on_rank(rank, world, config, args)
-    elif tp > 1:  # start the ranks ourselves, once the split is known to fit
-        from .parallel import check_divisible, launch
-
-        check_divisible(target_config(config.model.id, config.model.revision), tp)
-
-        rank, out = 0, launch(tp, generate_on_rank, config, args, device_type=device_type)
-    else:
-        rank, out = 0, generate_on_rank(0, 1, config, args)
-    if rank == 0:
-        print(json.dumps(out) if args.json else out["text"])
-    return 0
-
-
-def generate_on_rank(rank: int, world: int, config: EngineConfig, args) -> dict:
-    """Load, split over `world` ranks when > 1, and generate; every rank computes the same tokens."""
-    from .build import load_models, make_engine
-    from .engine import SamplingParams
-
-    loaded = load_models(config, rank, world)
-    target, tokenizer = loaded.target, loaded.tokenizer
-    if args.chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UsageError(f"{config.model.id}'s tokenizer has no chat template: leave out --chat")
-        prompt_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
-            prompt_ids = prompt_ids["input_ids"]
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
-    max_seq = config.serving.max_seq_len or len(prompt_ids) + args.max_new_tokens
-    # one sequence; the cache is sized after tokenizing, so load and build are two steps here
-    engine = make_engine(target, loaded.drafter, config.speculation, max_batch_size=1, max_seq_len=max_seq)
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop_token_ids=stop_ids(tokenizer, target),
-    )
-    (res,) = engine.generate([list(prompt_ids)], params)
-    return {
-        "text": tokenizer.decode(res.token_ids, skip_special_tokens=True),
-        "token_ids": res.token_ids,
-        "acceptance_length": round(res.acceptance_length, 4),
-        "tokens_per_second": round(res.tokens_per_second, 3),
-        "steps": res.rounds,
-        "finish_reason": res.finish_reason,
-        "prompt_tokens": res.prompt_tokens,
-        "method": config.speculation.method,
-        "budget": engine.budget,
-        "tensor_parallel": world,
-    }
-
-
-def cmd_smoke(args) -> int:
-    from .build import build_engine
-    from .smoke import run_smoke, write_termination_log
-
-    config = EngineConfig.from_args(args, SMOKE_FLAGS).resolve()
-    sizes = list(config.kernels.batch_buckets or DEFAULT_SMOKE_BUCKETS)
-    engine, tokenizer = build_engine(config, max_batch_size=max(sizes))
-    if engine.device.type == "cuda" and config.kernels.graphs:
-        engine.capture_graphs(batch_buckets=sizes)
-    texts = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time", "import numpy as np\n"]
-    report = run_smoke(
-        engine,
-        sizes,
-        [tokenizer.encode(t) for t in texts],
-        max_new_tokens=args.max_new_tokens,
-        min_acceptance=args.min_acceptance,
-        fault=args.fault,
-    )
-    if not report.passed:
-        write_termination_log(report.reason, config.serving.termination_log)
-    print(report.reason, file=sys.stderr)
-    print(json.dumps(report.to_json()))
-    return 0 if report.passed else 1
-
-
-BENCH_PROMPTS = [
-    'def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n',
-    "class LRUCache:\n    def __init__(self, capacity: int):\n",
-    "Explain in a few sentences why the sky is blue.",
-    "Write a short story about a robot who learns to paint.",
-    "import json\n\ndef load_config(path):\n",
-    "List five tips for writing clear documentation.",
-    "def is_prime(n: int) -> bool:\n",
-    "What are the main differences between TCP and UDP?",
-]
-
-
-def cmd_bench(args) -> int:
-    import os
-
-    from .bench import BenchPlan
-    from .kernels import available
-
-    both = getattr(args, "kernels", None) == "both"
-    config = EngineConfig.from_args(args, {d: f for d, f in BENCH_FLAGS.items() if not (both and d == "kernels")})
-    # bench sweeps --methods and --budgets over one load: the file's speculation section does not apply
-    config = config.replace(speculation={"method": "ddtree", "budget": None, "block_size": None})
-    config = config.resolve(default_drafter=False)
-    device = config.model.device
-    if device == "cpu" and (args.graphs != "off" or args.capture_all or args.hf_baseline):
-        raise UsageError("on CPU, bench runs only with --graphs off and without --capture-all/--hf-baseline")
-    kernels = "both" if both else config.kernels.backend
-    if kernels == "auto":
-        variants = ["triton"] if device.startswith("cuda") and available(device) else ["torch"]
-    else:
-        variants = ["torch", "triton"] if kernels == "both" else [kernels]
-        if "triton" in variants and not available(device):
-            raise UsageError(
-                f"--kernels {kernels} needs triton and a CUDA device (on CPU only under TRITON_INTERPRET=1, slowly)"
-            )
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = set(methods) - {"ar", "dflash", "ddtree"}
-    if unknown:
-        raise UsageError(f"unknown methods {sorted(unknown)} in --methods")
-    plan = BenchPlan(
-        methods=methods,
-        budgets=parse_int_list(args.budgets, "--budgets"),
-        batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
-        graph_modes={"on": [True], "off": [False], "both": [False, True]}[args.graphs],
-        kernel_variants=variants,
-        rounds=args.rounds,
-        ctx=args.ctx,
-        micro=args.micro,
-        capture_all=args.capture_all,
-        hf_baseline=args.hf_baseline,
-        out=args.out,
-    )
-    tp = config.parallel.tensor_parallel
-    if "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
-        from .parallel import init_from_env
-
-        bench_on_rank(*init_from_env(device.split(":")[0]), config, plan)
-    elif tp > 1:
-        if args.hf_baseline:
-            raise UsageError("--hf-baseline runs on one device: leave out --tensor-parallel")
-        if device.startswith("cuda") and torch_cuda_count() < tp:
-            raise UsageError(f"--tensor-parallel {tp} needs {tp} GPUs, this host has {torch_cuda_count()}")
-        from .parallel import check_divisible, launch
-
-        check_divisible(target_config(config.model.id, config.model.revision), tp)
-        launch(tp, bench_on_rank, config, plan, device_type=device.split(":")[0])
-    else:
-        bench_on_rank(0, 1, config, plan)
-    return 0
-
-
-def torch_cuda_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def bench_on_rank(rank: int, world: int, config: EngineConfig, plan) -> None:
-    """Load (and split over `world` ranks when > 1) and run the benchmark; rank 0 prints and writes."""
-    import torch
-
-    from .bench import run_bench
-    from .build import load_models
-
-    # every measurement picks its kernel variant itself (bench.use_kernels): load with the PyTorch path
-    loaded = load_models(config.replace(kernels={"backend": "torch"}), rank, world)
-    target, tokenizer, model = loaded.target, loaded.tokenizer, config.model.id
-    if model.startswith("random:"):
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, target.config.vocab_size, (plan.ctx,), generator=g).tolist() for _ in range(4)]
-        label = f"{model} (random weights: acceptance is meaningless, cost only)"
-    else:
-        prompts = []
-        for text in BENCH_PROMPTS:
-            if text.startswith(("def ", "class ", "import ")):
-                prompts.append(tokenizer.encode(text))
-            else:
-                prompts.append(
-                    tokenizer.apply_chat_template(
-                        [{"role": "user", "content": text}],
-                        add_generation_prompt=True,
-                        tokenize=True,
-                        return_dict=False,
-                    )
-                )
-        label = f"{model} + {config.model.drafter or 'no drafter'}"
-    if world > 1:
-        label += f", tensor parallel {world} (drafter {loaded.drafter_split})"
-    run_bench(plan, target, loaded.drafter, prompts, label, report=rank == 0)
-
-
-def cmd_init_drafter(args) -> int:
-    import torch
-
-    from .drafter import DrafterConfig, init_drafter, save_drafter
-    from .loading import load_config, resolve_model
-    from .model import ModelConfig
-
-    if args.layers < 1:
-        raise UsageError(f"--layers must be >= 1, got {args.layers}")
-    if args.block_size < 2:
-        raise UsageError(f"--block-size must be >= 2, got {args.block_size}")
-    target_cfg = ModelConfig.from_hf(load_config(resolve_model(args.target)))
-    cfg = DrafterConfig.for_target(
-        target_cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=args.mask_token_id
-    )
-    cfg.check_target(target_cfg)
-    drafter = init_drafter(cfg, seed=args.seed).to(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
-    out = save_drafter(drafter, args.out)
-    print(
-        f"wrote a random-init DFlash drafter ({args.layers} layers, block {args.block_size}, taps "
-        f"{cfg.target_layer_ids}) to {out}"
-    )
-    return 0
 
 
 # The engine flags have no argparse default (SUPPRESS): an untyped flag is absent from the namespace, so
@@ -381,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flags(g)
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default=UNSET, help=KERNELS_HELP)
     add_parallel_flags(g)
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(handler="ddtree.runtime.commands:cmd_generate")
 
     sm = sub.add_parser("smoke", help="capture graphs and compare them with eager execution (readiness gate)")
     add_engine_flags(sm)
@@ -397,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sm.add_argument("--no-graphs", action="store_true", default=UNSET, help="compare batched eager rounds only")
     sm.add_argument("--fault", choices=["corrupt-graph-input"], help=argparse.SUPPRESS)
-    sm.set_defaults(func=cmd_smoke)
+    sm.set_defaults(handler="ddtree.runtime.commands:cmd_smoke")
 
     b = sub.add_parser("bench", help="benchmark ar / dflash / ddtree with and without CUDA graphs")
     add_config_flag(b)
@@ -425,12 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--dtype", default=UNSET, help="default: bfloat16 on cuda, float32 on cpu")
     b.add_argument("--out", help="folder for bench.json and bench.md")
-    b.set_defaults(func=cmd_bench)
+    b.set_defaults(handler="ddtree.runtime.commands:cmd_bench")
 
-    from . import server, train
-
-    server.register(sub)
-    train.register(sub)
+    add_serve_commands(sub)
+    add_training_commands(sub)
 
     d = sub.add_parser("init-drafter", help="write a randomly initialised DFlash drafter for a target")
     d.add_argument("--target", required=True)
@@ -440,26 +185,165 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--mask-token-id", type=int, help="vocabulary row used as MASK (default: the last one)")
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    d.set_defaults(func=cmd_init_drafter)
+    d.set_defaults(handler="ddtree.training.commands:cmd_init_drafter")
     return parser
 
 
+def add_serve_commands(subparsers) -> None:
+    """Add `serve` (and `bench-serve`) to the `ddtree` command line's subparsers."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    add_model_flags(p)  # --config, --model, --drafter, --method, --budget
+    p.add_argument("--host", default=UNSET, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=UNSET, help="port (default 8000; 0 picks a free one)")
+    p.add_argument(
+        "--max-batch-size", type=int, default=UNSET, help="engine slots = concurrently running requests (default 8)"
+    )
+    p.add_argument(
+        "--max-seq-len", type=int, default=UNSET, help="per-request context: prompt + max_tokens (default 2048)"
+    )
+    p.add_argument(
+        "--max-waiting", type=int, default=UNSET, help="queued requests beyond the slots before 429 (default 4 x slots)"
+    )
+    p.add_argument("--served-model-name", default=UNSET, help="model name in the API (default: the --model value)")
+    add_device_flags(p)
+    p.add_argument(
+        "--batch-buckets",
+        default=UNSET,
+        help="batch sizes for CUDA graphs and the smoke test, e.g. "
+        "1,2,4,8 (default: powers of two up to --max-batch-size)",
+    )
+    p.add_argument("--no-graphs", action="store_true", default=UNSET, help="run rounds eagerly (no CUDA graph capture)")
+    p.add_argument(
+        "--termination-log",
+        default=UNSET,
+        help="file for the start-up failure reason (default /dev/termination-log when it exists)",
+    )
+    p.add_argument("--revision", default=UNSET, help="hub revision of --model (branch, tag or commit)")
+    p.add_argument("--drafter-revision", default=UNSET, help="hub revision of --drafter")
+    p.add_argument(
+        "--block-size", type=int, default=UNSET, help="expected drafter block size (checked against the drafter)"
+    )
+    add_parallel_flags(p)
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=UNSET, help=KERNELS_HELP)
+    p.add_argument("--smoke-fault", choices=list(SMOKE_FAULTS), help=argparse.SUPPRESS)  # tests only
+    p.set_defaults(handler="ddtree.serving.commands:cmd_serve")
+    b = subparsers.add_parser("bench-serve", help="load generator for a running `ddtree serve`")
+    b.add_argument("--url", default="http://127.0.0.1:8000")
+    b.add_argument("--concurrency", default="1,8,32,64", help="comma-separated client counts, run in turn")
+    b.add_argument("--requests-per-client", type=int, default=4)
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--completions", action="store_true", help="raw prompts to /v1/completions (default: chat)")
+    b.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let requests stop at EOS (default: every request generates exactly --max-tokens)",
+    )
+    b.add_argument("--prompts-file", help="one prompt per line (or one JSON string per line)")
+    b.add_argument("--json", action="store_true", help="one JSON object per concurrency level")
+    b.set_defaults(handler="ddtree.serving.commands:cmd_bench_serve")
+
+
+def add_training_commands(subparsers) -> None:
+    """Add `train-drafter` and `make-data` to the `ddtree` command line."""
+    m = subparsers.add_parser(
+        "make-data", help="self-distillation data: the target continues prompts cut from offline corpora"
+    )
+    m.add_argument("--target", required=True, help="target: built-in id, local folder or .gguf")
+    m.add_argument("--out", required=True, help="output .safetensors file (or folder: FOLDER/data.safetensors)")
+    m.add_argument("--num-prompts", type=int, default=4096)
+    m.add_argument("--prompt-tokens", type=int, default=128, help="longest prompt (prompts are 1/4..1x this)")
+    m.add_argument("--continuation-tokens", type=int, default=256, help="tokens the target generates per prompt")
+    m.add_argument("--held-out", type=float, default=0.05, help="held-out fraction (split by source file)")
+    m.add_argument(
+        "--source",
+        action="append",
+        help="corpus: stdlib (default), site-packages, or a file/folder of .py/.txt/.md/.rst/.html (repeatable)",
+    )
+    m.add_argument("--mix", default="0.4,0.2,0.4", help="prompt kinds code,prose,chat (weights)")
+    m.add_argument("--batch-size", type=int, default=128)
+    m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy continuations")
+    m.add_argument("--top-p", type=float, default=1.0)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--device")
+    m.add_argument("--dtype")
+    m.set_defaults(handler="ddtree.training.commands:cmd_make_data")
+
+    t = subparsers.add_parser("train-drafter", help="train a DFlash drafter against a frozen target")
+    t.add_argument("--target", required=True, help="target: built-in id, local folder or .gguf")
+    t.add_argument("--out", required=True, help="output folder (drafter, checkpoint/, README.md, training_log.jsonl)")
+    t.add_argument("--data", help="data from `ddtree make-data` (default: OUT/data.safetensors, made if missing)")
+    t.add_argument("--make-data", action="store_true", help="make --data first when it does not exist")
+    t.add_argument("--data-prompts", type=int, default=2048, help="prompts when making data here")
+    t.add_argument("--data-batch-size", type=int, default=128)
+    t.add_argument("--data-continuation-tokens", type=int, default=256)
+    t.add_argument("--layers", type=int, default=2, help="drafter layers")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--taps", help="target layer ids, comma separated (default: >= 3 evenly spread layers)")
+    t.add_argument("--intermediate-size", type=int, help="drafter MLP width (default: the target's)")
+    t.add_argument("--mask-token-id", type=int, help="MASK vocabulary row (default: the last)")
+    t.add_argument("--steps", type=int, help="optimizer steps (default 2000)")
+    t.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    t.add_argument("--anchors-per-seq", type=int, default=32)
+    t.add_argument("--max-len", type=int, default=1024)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
+    t.add_argument("--min-lr-ratio", type=float, default=0.0)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--grad-clip", type=float, default=1.0)
+    t.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) of block slot k")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--log-every", type=int, help="log every N steps (default 10)")
+    t.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (default 250; 0: only at the end)")
+    t.add_argument("--eval-batches", type=int, help="held-out batches per evaluation (default 4)")
+    t.add_argument("--save-every", type=int, help="checkpoint every N steps (default 500; 0: only at the end)")
+    t.add_argument(
+        "--max-minutes",
+        type=float,
+        help="stop cleanly after this many minutes of this run's training loop (then evaluates and saves)",
+    )
+    t.add_argument(
+        "--final-eval-prompts",
+        type=int,
+        help="held-out prompts for the Engine acceptance measurement (default 8; 0: skip)",
+    )
+    t.add_argument("--final-eval-tokens", type=int, help="default 128")
+    t.add_argument("--final-eval-budget", type=int, help="DDTree budget of the final measurement (default 32)")
+    t.add_argument(
+        "--save-dtype", choices=["bfloat16", "float32"], help="dtype of the saved drafter (default bfloat16)"
+    )
+    t.add_argument("--init", help="start from this drafter folder instead of random weights")
+    t.add_argument(
+        "--init-from-target",
+        nargs="?",
+        const="last",
+        metavar="LAYERS",
+        help="start the drafter layers as copies of target layers: comma-separated ids, or 'last' "
+        "(the default when the flag has no value) for the target's last --layers layers",
+    )
+    t.add_argument("--resume", help="continue from OUT (or its checkpoint/ folder)")
+    t.add_argument("--device")
+    t.add_argument("--dtype", help="target dtype (default: bfloat16 on cuda, float32 on cpu)")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(handler="ddtree.training.commands:cmd_train_drafter")
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Parse `argv` and run its command's handler; errors propagate (main turns them into one line)."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the record of the command (model cards)
+    module, _, name = args.handler.partition(":")
+    return getattr(importlib.import_module(module), name)(args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from .drafter import DrafterMismatchError
-    from .loading import ModelNotFoundError
+    from .models.checkpoint import ModelNotFoundError
+    from .speculative.drafter import DrafterMismatchError
 
     try:
-        args = build_parser().parse_args(argv)
-        return args.func(args)
+        return run(argv)
     except (UsageError, ModelNotFoundError, DrafterMismatchError, ValueError) as exc:  # ConfigError too
         print(f"ddtree: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    # run the package's module, not this __main__ copy, so that UsageError is one class everywhere
-    from ddtree.cli import main as package_main
-
-    sys.exit(package_main())

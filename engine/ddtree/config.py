@@ -38,6 +38,13 @@ DEFAULT_MAX_SEQ_LEN = 2048  # serve and smoke, when serving.max_seq_len is not s
 DEFAULT_SMOKE_BUCKETS = (1, 2, 4)  # smoke, when kernels.batch_buckets is not set
 
 
+SMOKE_FAULTS = ("corrupt-graph-input",)  # faults the smoke test can inject, to test that it fails
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
 class ConfigError(ValueError):
     """A bad setting: one line that names the field. The command line prints it and exits 2."""
 
@@ -361,7 +368,7 @@ class EngineConfig:
         )
         drafter = self.model.drafter
         if default_drafter and self.speculation.method != "ar" and not drafter:
-            from .loading import DEFAULT_DRAFTERS
+            from .models.checkpoint import DEFAULT_DRAFTERS
 
             drafter = DEFAULT_DRAFTERS.get(self.model.id)
             if drafter is None:
@@ -396,3 +403,17 @@ class EngineConfig:
 def defaults() -> dict[str, Any]:
     """Every field with its default, in the file's layout."""
     return EngineConfig().to_dict()
+
+
+# flag dest -> config field, per command (the flags not listed here are the command's own)
+def _flags(*dests: str) -> dict[str, str]:
+    return {d: FLAGS[d] for d in dests}
+
+
+_MODEL_FLAGS = ("model", "drafter", "device", "dtype", "kernels")
+GENERATE_FLAGS = _flags(*_MODEL_FLAGS, "method", "budget", "max_seq_len", "tensor_parallel", "replicate_drafter")
+SMOKE_FLAGS = {
+    **_flags(*_MODEL_FLAGS, "method", "budget", "max_seq_len", "termination_log", "no_graphs"),
+    "batch_sizes": "kernels.batch_buckets",
+}
+BENCH_FLAGS = _flags(*_MODEL_FLAGS, "tensor_parallel", "replicate_drafter")

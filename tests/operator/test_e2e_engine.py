@@ -1,4 +1,4 @@
-"""End to end with the real engine: the operator's pods are run as `python -m ddtree.cli serve ...` processes
+"""End to end with the real engine: the operator's pods are run as `python -m ddtree serve ...` processes
 on their kwok pod IPs (hack/kwok_engines.py plays kubelet), and the resource reaches Ready with
 acceptance length and tokens/s in `kubectl get specdeploy`.
 
@@ -21,7 +21,7 @@ READY_TIMEOUT_SECONDS = 600
 def ddtree_serve():
     ok, detail = kwok_engines.serve_available()
     if not ok:
-        pytest.skip(f"`python -m ddtree.cli serve --help` failed, so there is no engine to run: {detail}")
+        pytest.skip(f"`python -m ddtree serve --help` failed, so there is no engine to run: {detail}")
 
 
 def test_smollm2_cpu_reaches_ready_with_acceptance_and_throughput(cluster, namespace, ddtree_serve, tmp_path):

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import kernels
-from .model import MLP, KVCache, ModelConfig, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from ..models.layers import MLP, KVCache, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from ..models.llama import ModelConfig
+from ..runtime import kernels
 
 
 class DrafterMismatchError(ValueError):
@@ -345,7 +346,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
 
 def load_drafter(folder: str | Path, target: ModelConfig | None = None, dtype=None, device="cpu") -> DFlashDrafter:
     """Load a z-lab-format drafter folder; with `target`, refuse one that does not fit it."""
-    from .loading import load_config, load_state_dict
+    from ..models.checkpoint import load_config, load_state_dict
 
     cfg = DrafterConfig.from_hf(load_config(folder))
     if target is not None:
@@ -360,3 +361,10 @@ def load_drafter(folder: str | Path, target: ModelConfig | None = None, dtype=No
         )
     drafter.inv_freq = torch.empty(0)  # set by setup_caches
     return drafter.to(device=device, dtype=dtype or state["fc.weight"].dtype)
+
+
+def random_drafter(target, layers: int, block_size: int = 16, seed: int = 0):
+    """A random-init DFlash drafter of `layers` layers for `target` (cost only: it accepts little)."""
+    p = target.lm_head.weight
+    cfg = DrafterConfig.for_target(target.config, num_layers=layers, block_size=block_size)
+    return init_drafter(cfg, seed).to(device=p.device, dtype=p.dtype)

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..models.random import ByteTokenizer
+
 KINDS = ("code", "prose", "chat")
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".html", ".htm"}
 MAX_FILE_BYTES = 2_000_000
@@ -211,23 +213,6 @@ def _python_prose(text: str) -> list[str]:
 
 
 # ---- prompts --------------------------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """A stand-in tokenizer for targets that ship none (random test models): UTF-8 bytes folded into
-    [0, vocab_size - 2), so the last id (the drafter's default MASK) never occurs in a prompt."""
-
-    chat_template = None
-    eos_token_id = None
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [b % (self.vocab_size - 2) for b in text.encode("utf-8")]
-
-    def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
-        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -443,7 +428,7 @@ def generate_continuations(
     `cuda_graphs=False` or any capture failure falls back to eager steps over the used span."""
     from tqdm.auto import tqdm
 
-    from .verify import decide
+    from ..speculative.verify import decide
 
     dev = target.lm_head.weight.device
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))  # similar lengths together
@@ -626,7 +611,7 @@ def make_data(
     t0 = time.perf_counter()
     target_id = target if isinstance(target, str) else (target_name or "<in-memory model>")
     if isinstance(target, str):
-        from .build import device_and_dtype, load_target
+        from ..runtime.build import device_and_dtype, load_target
 
         device, dtype = device_and_dtype(device, None if dtype is None else str(dtype).removeprefix("torch."))
         target, loaded_tok = load_target(target_id, device, dtype)

@@ -88,7 +88,7 @@ def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int, kernel: bool 
     logp = torch.log_softmax(draft_logits.float(), dim=-1)
     top_lp, top_tok = logp.topk(k, dim=-1)  # [bs, D, K], sorted descending
     if kernel:
-        from .kernels import best_first_tree
+        from ..runtime.kernels import best_first_tree
 
         return Tree(*best_first_tree(roots, top_lp, top_tok, budget))
 

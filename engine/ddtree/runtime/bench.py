@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from ..config import SpeculationConfig
+from ..models.llama import Transformer
 from .build import make_engine
-from .config import SpeculationConfig
 from .engine import Engine, SamplingParams
-from .model import Transformer
 
 
 @dataclass(frozen=True)

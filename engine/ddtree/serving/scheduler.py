@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .engine import SamplingParams
+from ..runtime.engine import SamplingParams
 
 log = logging.getLogger("ddtree.scheduler")
 

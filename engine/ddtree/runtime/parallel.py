@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .model import Transformer
+from ..models.llama import Transformer
 
 log = logging.getLogger("ddtree.parallel")
 
@@ -323,7 +323,7 @@ class Leader:
         return self._call("capture_graphs", **kwargs)
 
     def smoke(self, *args, **kwargs):
-        """ddtree.smoke.run_smoke(engine, *args, **kwargs) on every rank."""
+        """ddtree.runtime.smoke.run_smoke(engine, *args, **kwargs) on every rank."""
         return self._call("smoke", *args, **kwargs)
 
     def stop(self) -> None:

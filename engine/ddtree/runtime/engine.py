@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .drafter import DFlashDrafter
-from .model import Transformer
-from .tree import Tree, build_chain, build_ddtree, root_only
-from .verify import decide, tree_mask, walk
+from ..models.llama import Transformer
+from ..speculative.drafter import DFlashDrafter
+from ..speculative.tree import Tree, build_chain, build_ddtree, root_only
+from ..speculative.verify import decide, tree_mask, walk
 
 METHODS = ("ar", "dflash", "ddtree")
 

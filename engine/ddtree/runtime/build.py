@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import DTYPE_NAMES, ConfigError, EngineConfig, SpeculationConfig
+from ..config import DTYPE_NAMES, ConfigError, EngineConfig, SpeculationConfig
 
 
 def torch_dtype(name: str):
@@ -44,12 +44,13 @@ def load_target(ref: str, device: str, dtype, revision: str | None = None, kerne
     element-wise path (auto, torch or triton)."""
     from transformers import AutoTokenizer
 
-    from .loading import RANDOM_PREFIX, random_model, resolve_model
-    from .model import Transformer
+    from ..models.checkpoint import resolve_model
+    from ..models.llama import Transformer
+    from ..models.random import RANDOM_PREFIX, random_model
 
     triton = use_triton_kernels(kernels, device)  # refuse before the (slow) load
     if ref.startswith(RANDOM_PREFIX):  # cost runs: random weights and a byte-level stand-in tokenizer
-        from .data import ByteTokenizer
+        from ..models.random import ByteTokenizer
 
         target = random_model(ref.removeprefix(RANDOM_PREFIX), device, dtype)
         if triton:
@@ -64,8 +65,9 @@ def load_target(ref: str, device: str, dtype, revision: str | None = None, kerne
 
 def target_config(ref: str, revision: str | None = None):
     """The target's ModelConfig without loading weights (a GGUF file is converted first)."""
-    from .loading import RANDOM_PREFIX, load_config, random_config, resolve_model
-    from .model import ModelConfig
+    from ..models.checkpoint import load_config, resolve_model
+    from ..models.llama import ModelConfig
+    from ..models.random import RANDOM_PREFIX, random_config
 
     if ref.startswith(RANDOM_PREFIX):
         return random_config(ref)
@@ -73,8 +75,9 @@ def target_config(ref: str, revision: str | None = None):
 
 
 def load_drafter_ref(ref: str, target, device: str, dtype, revision: str | None = None):
-    from .drafter import load_drafter
-    from .loading import RANDOM_PREFIX, random_drafter, resolve_model
+    from ..models.checkpoint import resolve_model
+    from ..models.random import RANDOM_PREFIX
+    from ..speculative.drafter import load_drafter, random_drafter
 
     if ref.startswith(RANDOM_PREFIX):  # random:LAYERS, a random-init drafter (cost runs)
         layers = ref.removeprefix(RANDOM_PREFIX)

@@ -1,0 +1,1 @@
+"""Model families: reference forwards with positions, cache slots and masks; checkpoints and random weights."""

@@ -1,0 +1,93 @@
+"""Random weights of known shapes: the cost side of benchmarks, and models for tests."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .llama import ModelConfig, Transformer
+
+RANDOM_PREFIX = "random:"
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen3-8B: 36 layers, hidden 4096, 32 q / 8 kv heads of 128, MLP 12288, vocab 151936
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        qk_norm=True,
+        model_type="qwen3",
+        max_position_embeddings=40960,
+    ),
+    # a small shape for quick checks
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def random_config(ref: str, **overrides):
+    """The ModelConfig of `random:SHAPE` (ValueError naming the known shapes otherwise)."""
+    shape = ref.removeprefix(RANDOM_PREFIX)
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random shape '{shape}' (known: {', '.join(RANDOM_SHAPES)})")
+    return ModelConfig(**{**RANDOM_SHAPES[shape], **overrides})
+
+
+@torch.no_grad()
+def random_model(shape: str, device, dtype, seed: int = 0, **overrides):
+    """A target of a known shape with random weights, generated on `device`; the same seed gives the
+    same weights on every device, so tensor-parallel ranks agree.
+
+    Cost is all that is real here, but the greedy choice must be stable: bf16 runs that batch
+    differently (graphs against eager in the smoke test) flip near-ties, and plain std-0.02 weights
+    give a near-tie at most steps. So the embedding (std 1) dominates the residual stream (the output
+    projections are scaled by 1/sqrt(2 x layers), as in GPT-2) and the LM head is a copy of the
+    embedding: the next token repeats the last one with a wide margin."""
+    cfg = random_config(shape, **overrides)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(cfg).to(dtype)
+    residual_std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            p.normal_(0, residual_std)
+        elif name == "model.embed_tokens.weight":
+            p.normal_(0, 1.0)
+        else:
+            p.normal_(0, 0.02)
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight / math.sqrt(cfg.hidden_size))
+    return model.eval()
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer for targets that ship none (random test models): UTF-8 bytes folded into
+    [0, vocab_size - 2), so the last id (the drafter's default MASK) never occurs in a prompt."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [b % (self.vocab_size - 2) for b in text.encode("utf-8")]
+
+    def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")

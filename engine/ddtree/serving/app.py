@@ -1,0 +1,553 @@
+"""`ddtree serve`: an OpenAI-compatible HTTP server with continuous batching.
+
+Start-up: the HTTP server binds first (so /health answers while weights load), then a background
+thread loads the weights, captures CUDA graphs (on a GPU), runs the smoke test (ddtree.smoke) and,
+when it passes, starts the scheduler (ddtree.scheduler) and flips /ready to 200. When the smoke test
+(or loading) fails, the reason goes to the termination log and the process exits with status 1.
+
+Tensor parallelism (--tensor-parallel N, or N torchrun processes): this process is rank 0 and runs
+everything above; ranks 1..N-1 (`serve_follower`) load their shard, bind no port and replay rank 0's
+engine calls (ddtree.runtime.parallel.Leader / follow). On shutdown rank 0 sends them a stop command.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
+events), GET /v1/models, GET /health, GET /ready, GET /metrics. Errors use OpenAI's body
+{"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+import uuid
+
+from ..config import EngineConfig
+from .protocol import COMPLETION_PATHS, APIError, Sampling, bad_request, chat_messages
+
+log = logging.getLogger("ddtree.server")
+
+SMOKE_FAULTS = ("corrupt-graph-input",)
+SMOKE_TEXTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time", "import numpy as np\n"]
+
+# ---- the server -----------------------------------------------------------------------------
+
+
+def load_engine(config: EngineConfig, rank: int = 0, world: int = 1, bar=None):
+    """(engine, tokenizer) of a resolved config; with world > 1 the target is this rank's shard (call it
+    on every rank, after joining the group, so that all ranks build the same engine)."""
+    from ..runtime.build import build_engine
+
+    def note(text: str | None = None) -> None:
+        if bar is not None:
+            bar.set_postfix_str(text) if text else bar.update()
+
+    return build_engine(config, rank, world, note=note)
+
+
+def serve_follower(rank: int, world: int, config: EngineConfig) -> int:
+    """Ranks 1..N-1 of `ddtree serve --tensor-parallel N`: load this rank's shard, build the same engine
+    as rank 0 and replay rank 0's engine calls until it sends stop. No HTTP server, no port.
+
+    SIGINT and SIGTERM are ignored: rank 0 gets them too (terminal, torchrun, kubelet) and ends the
+    followers with the stop command. If rank 0 dies instead, a follower started by rank 0 gets SIGKILL
+    (parent-death signal); under torchrun the broadcast it waits in fails on the closed connection."""
+    from ..runtime.parallel import command_group, follow, init_from_env, leave_group
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    init_from_env(config.model.device.split(":")[0])  # a no-op when start_followers' process already joined
+    group = command_group()
+    engine, _ = load_engine(config, rank, world)
+    follow(engine, group)
+    leave_group(engine)  # at the same time as rank 0 (NCCL's teardown waits for every rank)
+    return 0
+
+
+class EngineServer:
+    def __init__(self, config: EngineConfig, world: int = 1, smoke_fault: str | None = None):
+        """`config`: resolved (EngineConfig.resolve()); `world`: tensor parallel ranks (this one is 0)."""
+        self.config, self.world, self.smoke_fault = config, world, smoke_fault
+        self.graph_buckets, self.smoke_sizes = config.serve_batch_sizes()
+        self.name = config.served_model_name
+        from .metrics import ServerMetrics
+
+        self.metrics = ServerMetrics(self.name)
+        self.phase = "loading"  # loading -> capturing -> smoke_test -> ready | failed
+        self.reason = ""
+        self.report = None
+        self.engine = self.tokenizer = self.scheduler = None
+        self.stop_token_ids: tuple[int, ...] = ()
+        self.exit_code = 0
+        self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopped: asyncio.Event | None = None
+        self.loader: threading.Thread | None = None
+        self.leader = None  # parallel.Leader when tensor parallel: the engine calls go through it
+        self.followers: list = []  # follower processes this process started (not under torchrun)
+        self.closing = False
+
+    # ---- start-up (loader thread) ---------------------------------------------------------------
+
+    def start_loading(self) -> None:
+        self.loader = threading.Thread(target=self._load, name="ddtree-load", daemon=True)
+        self.loader.start()
+        if self.followers:
+            threading.Thread(target=self._watch_followers, name="ddtree-followers", daemon=True).start()
+
+    def _watch_followers(self) -> None:
+        """A follower that ends before the shutdown leaves rank 0's collectives hanging or failing: stop."""
+        from multiprocessing.connection import wait
+
+        ended = wait([p.sentinel for p in self.followers])
+        if self.closing:  # the stop command ended it (and the main thread reaps it)
+            return
+        dead = next(p for p in self.followers if p.sentinel in ended)
+        self._fail(f"tensor parallel rank {dead.name.rsplit('-', 1)[-1]} exited with code {dead.exitcode}")
+
+    def _load(self) -> None:
+        config = self.config
+        max_seq_len = config.serving.seq_len
+        try:
+            from tqdm import tqdm
+
+            from ..runtime.build import stop_ids
+            from ..runtime.smoke import run_smoke
+
+            bar = tqdm(total=5, desc="ddtree serve", unit="step", file=sys.stderr, dynamic_ncols=True)
+            if self.world > 1:
+                from ..runtime.parallel import Leader, command_group, init_from_env
+
+                bar.set_postfix_str(f"joining {self.world} tensor parallel ranks")
+                init_from_env(config.model.device.split(":")[0])
+                self.leader = Leader(None, command_group())
+            engine, tokenizer = load_engine(config, 0, self.world, bar)
+            target = engine.target
+            if self.leader is not None:
+                self.leader.engine = engine
+                engine = self.leader
+            self.metrics.spec_budget.set(engine.budget)
+            bar.update()
+            self.phase = "capturing"
+            if engine.device.type == "cuda" and config.kernels.graphs:
+                bar.set_postfix_str(f"capturing CUDA graphs (batch buckets {self.graph_buckets})")
+                # greedy and sampling rounds; shapes outside the buckets run eagerly (and count as fallbacks)
+                engine.capture_graphs(batch_buckets=self.graph_buckets, sampling=(False, True), fallback=True)
+            bar.update()
+            self.phase = "smoke_test"
+            bar.set_postfix_str(f"smoke test (batch sizes {self.smoke_sizes})")
+            limit = max(1, max_seq_len - 9)
+            prompts = [tokenizer.encode(t)[:limit] for t in SMOKE_TEXTS]
+            extra = {"fault": self.smoke_fault} if self.smoke_fault else {}
+            smoke = engine.smoke if self.leader is not None else functools.partial(run_smoke, engine)
+            report = smoke(self.smoke_sizes, prompts, max_new_tokens=min(8, max_seq_len - limit), **extra)
+            bar.update()
+            bar.close()
+        except BaseException as exc:  # any start-up failure ends the process with a reason
+            log.exception("start-up failed")
+            self._fail(f"start-up failed: {type(exc).__name__}: {exc}")
+            return
+        self.metrics.graph_capture_seconds.set(report.capture_seconds)
+        if not report.passed:
+            self.report = report
+            self._fail(report.reason)
+            return
+        from .scheduler import Scheduler
+
+        for slot in range(engine.max_batch_size):
+            engine.release(slot)
+        self.engine, self.tokenizer, self.report = engine, tokenizer, report
+        self.stop_token_ids = stop_ids(tokenizer, target)
+        # decoding happens on the engine thread: give it its own tokenizer instance
+        self.scheduler = Scheduler(engine, copy.deepcopy(tokenizer), self.metrics, config.serving.waiting_limit)
+        self.scheduler.start()
+        self.metrics.smoke_test_passed.set(1)
+        self.reason = report.reason
+        self.phase = "ready"
+        log.info(
+            "%s; ready to serve %s (%s, budget %s, %d slots x %d tokens)",
+            report.reason,
+            self.name,
+            config.speculation.method,
+            engine.budget,
+            engine.max_batch_size,
+            engine.max_seq_len,
+        )
+
+    def _fail(self, reason: str) -> None:
+        self.phase, self.reason, self.exit_code = "failed", reason, 1
+        self.metrics.smoke_test_passed.set(0)
+        log.error("%s", reason)
+        from ..runtime.smoke import write_termination_log
+
+        try:
+            write_termination_log(reason, self.config.serving.termination_log)
+        except OSError as exc:
+            log.error("could not write the termination log: %s", exc)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.stopped.set)
+
+    def stop_followers(self, timeout: float = 30.0) -> bool:
+        """After the HTTP server and the scheduler stopped: send the followers the stop command (unless a
+        thread still uses the engine), wait for the ones this process started and kill what is left.
+        True when the group was left cleanly."""
+        busy = [t for t in (self.loader, self.scheduler and self.scheduler._thread) if t and t.is_alive()]
+        clean = False
+        if self.leader is not None and not busy:
+            from ..runtime.parallel import RankFailure
+
+            try:
+                self.leader.stop()
+                clean = True
+            except RankFailure as exc:
+                log.warning("could not stop the other ranks: %s", exc)
+        leaving = None
+        if clean:  # NCCL's teardown waits for every rank: leave together with the followers, then join them
+            from ..runtime.parallel import leave_group
+
+            leaving = threading.Thread(
+                target=leave_group, args=(self.leader.engine,), name="ddtree-leave-group", daemon=True
+            )
+            leaving.start()
+        for p in self.followers:
+            p.join(timeout if clean else 5.0)
+            if p.is_alive():
+                log.warning("killing %s (pid %s): it did not stop", p.name, p.pid)
+                p.kill()
+                p.join()
+        if leaving is not None:
+            leaving.join(timeout)
+            if leaving.is_alive():
+                log.warning("leaving the tensor parallel group did not finish in %.0f s", timeout)
+                clean = False
+        return clean or self.leader is None
+
+    # ---- HTTP --------------------------------------------------------------------------------
+
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    @property
+    def _middleware(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def middleware(request, handler):
+            counted = request.path in COMPLETION_PATHS
+            try:
+                resp = await handler(request)
+            except APIError as exc:
+                resp = exc.response()
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                resp = APIError(exc.status, f"{exc.reason}: {request.method} {request.path}").response()
+            except asyncio.CancelledError:  # the client went away
+                if counted:
+                    self.metrics.request_finished(499)
+                raise
+            except Exception as exc:  # answer 500 and keep serving
+                log.exception("internal error on %s", request.path)
+                resp = APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+            if counted:
+                self.metrics.request_finished(request.get("ddtree_status", resp.status))
+            return resp
+
+        return middleware
+
+    def _engine_failed(self) -> bool:
+        return self.phase == "ready" and self.scheduler.error is not None
+
+    async def health(self, request):
+        from aiohttp import web
+
+        if self._engine_failed():  # the engine thread died: let the orchestrator restart us
+            return web.json_response({"status": "engine_failed", "reason": str(self.scheduler.error)}, status=503)
+        return web.json_response({"status": self.phase}, status=503 if self.phase == "failed" else 200)
+
+    async def ready(self, request):
+        from aiohttp import web
+
+        if self.phase == "ready" and not self._engine_failed():
+            return web.json_response(self.report.to_json())
+        body = {
+            "ready": False,
+            "status": "engine_failed" if self._engine_failed() else self.phase,
+            "reason": str(self.scheduler.error) if self._engine_failed() else self.reason,
+        }
+        if self.report is not None:
+            body["smoke_report"] = self.report.to_json()
+        return web.json_response(body, status=503)
+
+    async def metrics_endpoint(self, request):
+        from aiohttp import web
+
+        if self.scheduler is not None:
+            self.metrics.requests_waiting.set(self.scheduler.waiting)
+        body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def models(self, request):
+        from aiohttp import web
+
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "ddtree",
+                        "root": self.config.model.id,
+                        "max_model_len": self.config.serving.seq_len,
+                    }
+                ],
+            }
+        )
+
+    async def completions(self, request):
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request):
+        return await self._generate(request, chat=True)
+
+    async def _body(self, request) -> dict:
+        try:
+            raw = await request.read()
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"malformed JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad_request("'model' must be a string", "model")
+        if model is not None and model != self.name:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.name}'",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+        tok = self.tokenizer
+        if chat:
+            msgs = chat_messages(body)
+            if not getattr(tok, "chat_template", None):
+                raise bad_request("this model's tokenizer has no chat template; use /v1/completions")
+            try:
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+                raise bad_request(f"chat template failed: {exc}", "messages") from None
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("'prompt' is empty", "prompt")
+            return tok.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
+        raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+
+    async def _generate(self, request, chat: bool):
+        from ..runtime.engine import SamplingParams
+        from .scheduler import NotRunning, QueueFull, Request
+
+        body = await self._body(request)
+        if self.phase != "ready":
+            raise APIError(503, f"the server is not ready ({self.phase}); poll /ready", code="not_ready")
+        s = Sampling(body, chat, self.engine.budget)
+        prompt = self._prompt_ids(body, chat)
+        limit = self.config.serving.seq_len
+        if len(prompt) >= limit:
+            raise bad_request(
+                f"the prompt has {len(prompt)} tokens; this server's context is {limit} tokens (prompt + max_tokens)",
+                "prompt" if not chat else "messages",
+            )
+        # defaults: OpenAI's 16 for completions, the rest of the context for chat
+        max_tokens = s.max_tokens if s.max_tokens is not None else limit - len(prompt)
+        if s.max_tokens is None and not chat:
+            max_tokens = min(16, max_tokens)
+        if len(prompt) + max_tokens > limit:
+            raise bad_request(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
+                "max_tokens",
+            )
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop_token_ids=() if s.ignore_eos else self.stop_token_ids,
+        )
+        try:
+            self.engine.check_request(prompt, params)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev) -> None:  # called on the engine thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, ev)
+            except RuntimeError:  # the event loop is closed (shutting down): nobody is listening
+                pass
+
+        req = Request(prompt, params, s.stop, sink)
+        try:
+            self.scheduler.submit(req)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), code="queue_full") from None
+        except NotRunning as exc:
+            raise APIError(503, str(exc), code="not_running") from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        try:
+            if s.stream:
+                return await self._stream(request, req, queue, rid, chat, s.include_usage)
+            return await self._collect(req, queue, rid, chat)
+        finally:
+            if req.finish_reason is None:
+                self.scheduler.cancel(req)
+
+    def _usage(self, req, completion_tokens: int) -> dict:
+        p = len(req.prompt_ids)
+        return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+
+    async def _collect(self, req, queue, rid: str, chat: bool):
+        from aiohttp import web
+
+        parts = []
+        while True:
+            ev = await queue.get()
+            if ev.error is not None:
+                raise APIError(ev.error_status, ev.error)
+            parts.append(ev.text)
+            if ev.finish_reason is not None:
+                break
+        text = "".join(parts)
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": ev.finish_reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": [choice],
+                "usage": self._usage(req, ev.completion_tokens),
+            }
+        )
+
+    async def _stream(self, request, req, queue, rid: str, chat: bool, include_usage: bool):
+        from aiohttp import web
+
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            out = {"id": rid, "object": obj, "created": created, "model": self.name, "choices": [choice]}
+            if include_usage:
+                out["usage"] = None
+            return out
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+
+            async def send(obj_: dict) -> None:
+                await resp.write(b"data: " + json.dumps(obj_, ensure_ascii=False).encode() + b"\n\n")
+
+            if chat:
+                await send(chunk(None, role=True))
+            while True:
+                ev = await queue.get()
+                if ev.error is not None:
+                    request["ddtree_status"] = ev.error_status
+                    await send(APIError(ev.error_status, ev.error).body())
+                    break
+                if ev.text:
+                    await send(chunk(ev.text))
+                if ev.finish_reason is not None:
+                    await send(chunk(None, ev.finish_reason))
+                    if include_usage:
+                        await send(
+                            {
+                                "id": rid,
+                                "object": obj,
+                                "created": created,
+                                "model": self.name,
+                                "choices": [],
+                                "usage": self._usage(req, ev.completion_tokens),
+                            }
+                        )
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client went away mid-stream; the caller frees the slot
+            request["ddtree_status"] = 499
+        return resp
+
+
+async def serve_until_stopped(server: EngineServer) -> int:
+    from aiohttp import web
+
+    host, port = server.config.serving.host, server.config.serving.port
+    server.loop = asyncio.get_running_loop()
+    server.stopped = asyncio.Event()
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, shutdown_timeout=5.0)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        server._fail(f"cannot listen on {host}:{port}: {exc}")
+        return 1
+    host, port = runner.addresses[0][:2]
+    log.info("listening on http://%s:%s (model %s)", host if ":" not in host else f"[{host}]", port, server.name)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        server.loop.add_signal_handler(sig, server.stopped.set)
+    server.start_loading()
+    await server.stopped.wait()
+    log.info("shutting down")
+    server.closing = True
+    if server.scheduler is not None:
+        await asyncio.to_thread(server.scheduler.stop)
+    await runner.cleanup()
+    return server.exit_code

@@ -1,0 +1,112 @@
+"""`ddtree serve` and `ddtree bench-serve`: from parsed arguments to a running server or a load run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+
+from ..config import FLAGS, EngineConfig, UsageError, parse_int_list
+from .app import EngineServer, serve_follower, serve_until_stopped
+from .loadgen import bench_line, bench_serve
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    return sorted(set(parse_int_list(text, flag)))
+
+
+SERVE_FLAGS = FLAGS  # serve has a flag for every field
+
+
+def serve_config(args) -> EngineConfig:
+    """The `serve` settings (--config file and flags), validated (ConfigError on bad ones) and resolved:
+    device, dtype and drafter filled in; the batch buckets are checked against max_batch_size."""
+    config = EngineConfig.from_args(args, SERVE_FLAGS).resolve()
+    config.serve_batch_sizes()
+    return config
+
+
+def _tensor_parallel(config: EngineConfig) -> tuple[int, int, bool]:
+    """(rank, world, spawn_followers): started by torchrun (WORLD_SIZE set), or --tensor-parallel ranks that
+    this process starts itself (as rank 0). A split that does not fit is refused before anything starts."""
+    tp, flag = config.parallel.tensor_parallel, config.name("parallel.tensor_parallel")
+    torchrun = "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else tp
+    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    spawn_followers = world > 1 and not torchrun
+    if torchrun and tp not in (1, world):
+        raise UsageError(f"{flag} {tp} differs from torchrun's WORLD_SIZE {world}")
+    if world == 1:
+        return rank, world, spawn_followers
+    if spawn_followers and config.model.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < world:
+            raise UsageError(f"{flag} {world} needs {world} GPUs, this host has {torch.cuda.device_count()}")
+    from ..models.checkpoint import peek_config
+    from ..models.llama import ModelConfig
+    from ..models.random import RANDOM_PREFIX, random_config
+    from ..runtime.parallel import check_divisible
+
+    ref, revision = config.model.id, config.model.revision
+    model_config = random_config(ref) if ref.startswith(RANDOM_PREFIX) else peek_config(ref, revision)
+    if isinstance(model_config, dict):
+        model_config = ModelConfig.from_hf(model_config)
+    if model_config is not None:  # otherwise shard() refuses it at load time (a start-up failure)
+        check_divisible(model_config, world)  # ValueError: one line, exit 2
+    return rank, world, spawn_followers
+
+
+def cmd_serve(args) -> int:
+    config = serve_config(args)
+    rank, world, spawn_followers = _tensor_parallel(config)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        )
+    if rank > 0:  # a torchrun process other than rank 0
+        return serve_follower(rank, world, config)
+    server = EngineServer(config, world, smoke_fault=args.smoke_fault)
+    if spawn_followers:
+        from ..runtime.parallel import start_followers
+
+        server.followers = start_followers(world, serve_follower, config, device_type=config.model.device.split(":")[0])
+    try:
+        code = asyncio.run(serve_until_stopped(server))
+    finally:
+        clean = server.stop_followers()
+    if not clean or (server.loader is not None and server.loader.is_alive()):
+        # stopped while loading, or a thread is stuck in a collective: don't join torch
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def cmd_bench_serve(args) -> int:
+    levels = _int_list(args.concurrency, "--concurrency")
+    if args.requests_per_client < 1 or args.max_tokens < 1:
+        raise UsageError("--requests-per-client and --max-tokens must be >= 1")
+    prompts = None
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts = [
+                json.loads(line) if line.lstrip().startswith('"') else line.rstrip("\n") for line in f if line.strip()
+            ]
+    results = asyncio.run(
+        bench_serve(
+            args.url,
+            levels,
+            args.requests_per_client,
+            args.max_tokens,
+            prompts,
+            chat=not args.completions,
+            temperature=args.temperature,
+            ignore_eos=not args.no_ignore_eos,
+        )
+    )
+    for r in results:
+        print(json.dumps(r) if args.json else bench_line(r))
+    return 0 if all(r["errors"] == 0 for r in results) else 1

@@ -1,0 +1,163 @@
+"""The OpenAI protocol: error bodies, request fields and their validation, sampling settings, chat messages."""
+
+from __future__ import annotations
+
+import math
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(
+        self, status: int, message: str, type_: str | None = None, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self):
+        from aiohttp import web
+
+        return web.json_response(self.body(), status=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# ---- request parsing ------------------------------------------------------------------------
+
+
+def get_int(body: dict, key: str, default=None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"'{key}' must be an integer, got {type(v).__name__}", key)
+    return v
+
+
+def get_float(body: dict, key: str, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad_request(f"'{key}' must be a finite number", key)
+    return float(v)
+
+
+def get_bool(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"'{key}' must be a boolean", key)
+    return v
+
+
+def refuse_unsupported(body: dict, chat: bool) -> None:
+    """Fields we cannot honour are refused rather than silently ignored (their neutral values pass)."""
+    neutral = {
+        "logprobs": (None, False, 0),
+        "top_logprobs": (None, 0),
+        "echo": (None, False),
+        "best_of": (None, 1),
+        "presence_penalty": (None, 0, 0.0),
+        "frequency_penalty": (None, 0, 0.0),
+        "suffix": (None, ""),
+        "tools": (None, []),
+        "functions": (None, []),
+        "logit_bias": (None, {}),
+    }
+    for key, ok in neutral.items():
+        v = body.get(key)
+        if isinstance(v, (list, dict)):
+            if v:
+                raise bad_request(f"'{key}' is not supported by this server", key)
+        elif not any(v is o or (type(v) is type(o) and v == o) for o in ok):
+            raise bad_request(f"'{key}' is not supported by this server", key)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_request("'response_format' other than text is not supported", "response_format")
+
+
+class Sampling:
+    """The validated generation fields of a request (prompt and max_tokens default aside)."""
+
+    def __init__(self, body: dict, chat: bool, engine_budget: int):
+        self.max_tokens = get_int(
+            body, "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
+        )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad_request(f"'max_tokens' must be >= 1, got {self.max_tokens}", "max_tokens")
+        self.temperature = get_float(body, "temperature", 1.0)
+        if not 0 <= self.temperature <= 2:
+            raise bad_request(f"'temperature' must be in [0, 2], got {self.temperature}", "temperature")
+        self.top_p = get_float(body, "top_p", 1.0)
+        if not 0 < self.top_p <= 1:
+            raise bad_request(f"'top_p' must be in (0, 1], got {self.top_p}", "top_p")
+        self.seed = get_int(body, "seed")
+        n = get_int(body, "n", 1)
+        if n != 1:
+            raise bad_request(f"only n=1 is supported, got n={n}", "n")
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+            raise bad_request("'stop' must be a non-empty string or a list of up to 16 non-empty strings", "stop")
+        self.stop = stop
+        self.stream = get_bool(body, "stream")
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        self.include_usage = get_bool(opts or {}, "include_usage")
+        self.ignore_eos = get_bool(body, "ignore_eos")  # extension (as in vLLM): for benchmarks
+        budget = get_int(body, "budget")
+        if budget is not None and budget != engine_budget:
+            raise bad_request(
+                f"per-request 'budget' is not supported: this server runs budget {engine_budget}", "budget"
+            )
+        refuse_unsupported(body, chat)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for p in content:
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
+                parts.append(p["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out

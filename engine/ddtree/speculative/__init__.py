@@ -1,0 +1,1 @@
+"""Speculation: the DFlash drafter, DDTree tree building and the verification walk."""

@@ -1,0 +1,1 @@
+"""Training DFlash drafters: self-distillation data, the recipe, the loop, the model card."""
