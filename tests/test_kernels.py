@@ -1,4 +1,5 @@
-"""The Triton kernels (ddtree.kernels) equal the PyTorch reference path of model.py.
+"""The Triton kernels (ddtree.runtime.kernels), and the fused modules that use them (ddtree.runtime.fused),
+equal the reference forwards of ddtree.models.
 
 On CPU they run under the Triton interpreter, which must be switched on (TRITON_INTERPRET=1) before
 triton is imported: the checks marked `interp` (pytest marker `triton_interpreter`) run in their own
@@ -18,8 +19,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddtree.models.layers import KVCache, apply_rope
-from ddtree.models.llama import ModelConfig, Transformer
+from ddtree.models.layers import MLP, KVCache, apply_rope
+from ddtree.models.llama import Attention, ModelConfig, Transformer
+from ddtree.runtime.fused import (
+    FusedAttention,
+    FusedMLP,
+    TritonAttention,
+    TritonMLP,
+    build_ddtree_triton,
+    use_backend,
+    use_drafter_backend,
+)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.triton_interpreter  # skipped unless TRITON_INTERPRET=1 (conftest.py)
@@ -244,7 +254,7 @@ def check_best_first_tree(device):
         logits = logits.to(device)
         roots = torch.tensor([5, 6, 7], device=device)
         ref = build_ddtree(roots, logits, budget)
-        got = build_ddtree(roots, logits, budget, kernel=True)
+        got = build_ddtree_triton(roots, logits, budget)
         assert got.tokens.shape == (3, budget + 1) and got.visible.shape == (3, budget + 1, budget + 1)
         got = type(got)(*(t.cpu() for t in (got.tokens, got.parents, got.depth, got.valid, got.visible)))
         assert torch.equal(got.valid, ref.valid.cpu()), case
@@ -286,7 +296,7 @@ def run_model(model, kernels: bool):
     """A prefill of two sequences into cache rows 0, 1, then one decode step of both with the rows
     given in reverse order and the taps of two layers, then one of the first alone. Returns (logits,
     one-sequence logits, taps, k cache, v cache)."""
-    model.fuse(kernels=kernels)
+    use_backend(model, "triton" if kernels else "torch")
     dev = model.lm_head.weight.device
     model.setup_caches(max_batch=2, max_slots=16)
     g = torch.Generator().manual_seed(1)
@@ -379,14 +389,18 @@ def test_model_with_kernels_equals_without(qk_norm):
 TINY_SKINNY = {"o": (16, 16, 3, 4, 2), "gate_up": (16, 16, 1, 4, 2)}
 
 
+def use_skinny(monkeypatch, configs: dict) -> None:
+    """skinny_linear configurations of the o and gate/up projections (a missing one: cuBLAS)."""
+    monkeypatch.setattr(TritonAttention, "o_skinny", configs.get("o"))
+    monkeypatch.setattr(TritonMLP, "gate_up_skinny", configs.get("gate_up"))
+
+
 @interp
 @pytest.mark.parametrize("o_splits", [1, 3])
 def test_model_with_kernels_and_skinny_linear(monkeypatch, o_splits):
     """o (as K-split partial products summed by add_rms_norm, or whole) and gate/up with silu_mul through
     kernels.skinny_linear on the prefill (14 rows) and the batch-2 decode step (2 rows); bf16 only."""
-    from ddtree.runtime import kernels
-
-    monkeypatch.setattr(kernels, "SKINNY_CONFIGS", {**TINY_SKINNY, "o": (16, 16, o_splits, 4, 2)})
+    use_skinny(monkeypatch, {**TINY_SKINNY, "o": (16, 16, o_splits, 4, 2)})
     check_model("cpu", torch.bfloat16, qk_norm=True)
     check_model("cpu", torch.bfloat16, qk_norm=False)
 
@@ -400,11 +414,9 @@ def test_skinny_linear(dtype, case):
 
 @interp
 def test_model_with_kernels_past_the_decode_attention_batch(monkeypatch):
-    """One-token steps of more sequences than ATTENTION_DECODE_MAX_BATCH go through SDPA inside the
+    """One-token steps of more sequences than TritonAttention.decode_max_batch go through SDPA inside the
     kernels path; here from 2 sequences on, so that run_model's batch-2 decode step takes that branch."""
-    from ddtree.runtime import kernels
-
-    monkeypatch.setattr(kernels, "ATTENTION_DECODE_MAX_BATCH", 1)
+    monkeypatch.setattr(TritonAttention, "decode_max_batch", 1)
     check_model("cpu", torch.float32, qk_norm=True)
 
 
@@ -435,7 +447,7 @@ def test_engine_with_kernels_is_lossless():
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     params = SamplingParams(max_new_tokens=8)
     target = random_target(seed=3)
-    target.fuse(kernels=True)
+    use_backend(target, "triton")
     expect = [r.token_ids for r in Engine(target, method="ar", max_batch_size=2).generate(prompts, params)]
     drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=8), seed=4)
     for method, budget in (("ddtree", 20), ("dflash", None)):
@@ -454,7 +466,7 @@ def test_drafter_with_kernels_equals_without():
     results = []
     for on in (False, True):
         drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=2, block_size=4), seed=6)
-        drafter.use_kernels(on)
+        use_drafter_backend(drafter, "triton" if on else "torch")
         drafter.setup_caches(max_batch=3, max_slots=24)
         g = torch.Generator().manual_seed(0)
         feat = torch.randn(2, 6, drafter.fc.in_features, generator=g)
@@ -487,11 +499,15 @@ def test_drafter_with_kernels_equals_without():
 @interp
 def test_switch_is_explicit_and_dropped_on_move():
     model = tiny_qwen3()
-    assert not model.kernels
-    model.fuse(kernels=True)
-    assert model.model.layers[0].self_attn.kernels and model.model.layers[0].mlp.kernels
+    assert model.backend == "reference"
+    use_backend(model, "triton")
+    layer = model.model.layers[0]
+    assert (type(layer.self_attn), type(layer.mlp), model.backend) == (TritonAttention, TritonMLP, "triton")
+    use_backend(model, "torch")
+    assert (type(layer.self_attn), type(layer.mlp), model.backend) == (FusedAttention, FusedMLP, "torch")
+    use_backend(model, "triton")
     model.to(torch.float64)
-    assert not model.kernels and not model.model.layers[0].mlp.kernels
+    assert (type(layer.self_attn), type(layer.mlp), model.backend) == (Attention, MLP, "reference")
 
 
 @interp
@@ -510,10 +526,8 @@ def test_bench_logit_difference_of_the_two_paths():
 def test_kernels_on_cpu_are_refused_and_the_default_stays_pytorch():
     model = tiny_qwen3()
     with pytest.raises(RuntimeError, match="Triton kernels need"):
-        model.fuse(kernels=True)
-    assert not model.kernels
-    model.fuse()
-    assert not model.kernels and not model.model.layers[0].self_attn.kernels
+        use_backend(model, "triton")
+    assert model.backend == "reference" and type(model.model.layers[0].self_attn) is Attention
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the CLI test runs once, outside the interpreter")
@@ -696,11 +710,9 @@ def test_compiled_kernels_equal_the_reference(dtype):
         (1000, 700, True, False, None),
     ]:
         check_gemv("cuda", dtype, *case)
-    from ddtree.runtime.kernels import SKINNY_CONFIGS
-
     for case in SKINNY_CASES + [
-        (33, 4096, 4096, SKINNY_CONFIGS["o"], False),
-        (17, 12288, 4096, SKINNY_CONFIGS["gate_up"], True),
+        (33, 4096, 4096, TritonAttention.o_skinny, False),
+        (17, 12288, 4096, TritonMLP.gate_up_skinny, True),
     ]:
         check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
     check_best_first_tree("cuda")
@@ -722,10 +734,8 @@ def test_compiled_kernels_equal_the_reference(dtype):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_model_with_kernels_equals_without(dtype, monkeypatch):
-    from ddtree.runtime import kernels
-
     for skinny in ({}, TINY_SKINNY, {**TINY_SKINNY, "o": (16, 16, 1, 4, 2)}):  # none, o split in 3, o whole
-        monkeypatch.setattr(kernels, "SKINNY_CONFIGS", skinny)
+        use_skinny(monkeypatch, skinny)
         for qk_norm in (True, False):
             check_model("cuda", dtype, qk_norm)
 
@@ -742,7 +752,7 @@ def test_graph_captured_forward_with_kernels_matches_torch():
     mask = (torch.arange(ctx + T, device=dev)[None, :] <= pos[0, :, None])[None, None]
     outs = {}
     for kernels in (False, True):
-        model.fuse(kernels=kernels)
+        use_backend(model, "triton" if kernels else "torch")
         model.setup_caches(1, ctx + T)
         with torch.inference_mode():
             for _ in range(2):

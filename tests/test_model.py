@@ -4,7 +4,8 @@ import pytest
 import torch
 import transformers
 
-from ddtree.models.llama import ModelConfig, Transformer
+from ddtree.models.llama import Transformer
+from ddtree.models.registry import load_pretrained
 
 
 def hf_model(kind: str):
@@ -46,8 +47,8 @@ def test_forward_matches_transformers(kind, tmp_path):
             if name.endswith("bias"):
                 p.normal_(0, 0.1)  # HF initialises biases to zero, which would hide a missing bias
     hf.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded: exercises the index file
-    ours = Transformer.from_pretrained(tmp_path)
-    assert ours.config.model_type == hf.config.model_type
+    ours = load_pretrained(tmp_path, torch.float32, "cpu")  # through the registry
+    assert type(ours) is Transformer and ours.config.model_type == hf.config.model_type
     ours.setup_caches(max_batch=2, max_slots=64)
     ids = torch.randint(0, 300, (2, 40))
     j = torch.arange(40)
@@ -78,13 +79,18 @@ def test_incremental_decode_matches_full_forward(tiny_target):
             torch.testing.assert_close(step[0, 0], full[0, t], atol=1e-5, rtol=1e-5)
 
 
-def test_unsupported_architecture_is_refused():
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
-        ModelConfig.from_hf({"model_type": "gpt2", "num_attention_heads": 2})
+def test_the_registry_maps_model_types_to_families_and_refuses_others():
+    from ddtree.models import llama
+    from ddtree.models.registry import config_from_hf, family_for
+
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2' \(supported: llama, mistral, qwen2, qwen3\)"):
+        config_from_hf({"model_type": "gpt2", "num_attention_heads": 2})
+    assert all(family_for({"model_type": t}).load() is llama for t in ("llama", "mistral", "qwen2", "qwen3"))
 
 
 def test_fused_projections_equal_separate_ones():
-    """fuse() shares storage with the HF-named parameters and computes the same logits."""
+    """The fused GEMMs share storage with the HF-named parameters and compute the same logits."""
+    from ddtree.runtime.fused import use_backend
     from tiny_models import random_target
 
     m = random_target(seed=4)
@@ -95,7 +101,7 @@ def test_fused_projections_equal_separate_ones():
     with torch.no_grad():
         before, _ = m(ids, j[None], j[None], mask)
         state = {k: v.clone() for k, v in m.state_dict().items()}
-        m.fuse()
+        use_backend(m, "torch")
         after, _ = m(ids, j[None], j[None], mask)
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
     attn = m.model.layers[0].self_attn
@@ -104,12 +110,17 @@ def test_fused_projections_equal_separate_ones():
 
 
 def test_moving_a_fused_model_drops_the_stale_fused_weights():
+    from ddtree.models.layers import MLP
+    from ddtree.models.llama import Attention
+    from ddtree.runtime.fused import use_backend
     from tiny_models import random_target
 
     m = random_target(seed=5)
-    m.fuse()
+    use_backend(m, "torch")
     m.to(torch.float64)
-    assert m.model.layers[0].self_attn.wqkv is None and m.model.layers[0].mlp.w_gate_up is None
+    layer = m.model.layers[0]
+    assert (type(layer.self_attn), type(layer.mlp), m.backend) == (Attention, MLP, "reference")
+    assert not hasattr(layer.self_attn, "wqkv") or layer.self_attn.wqkv is None
     m.setup_caches(max_batch=1, max_slots=8)
     j = torch.arange(4)
     with torch.no_grad():  # the KV cache is one inference buffer for all layers

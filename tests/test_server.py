@@ -137,7 +137,7 @@ def drafter_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ddtree_server(drafter_dir, tmp_path_factory):
-    """DDTree (budget 8) with 8 slots; the readiness sequence it went through is kept on it."""
+    """DDTree (budget 8) with 8 engine rows; the readiness sequence it went through is kept on it."""
     log = tmp_path_factory.mktemp("ddtree-server") / "server.log"
     server = Server(
         [
@@ -168,7 +168,7 @@ def ddtree_server(drafter_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ar_server(tmp_path_factory):
-    """Plain decoding with 2 slots and a waiting queue of 1: for disconnects and 429."""
+    """Plain decoding with 2 engine rows and a waiting queue of 1: for disconnects and 429."""
     log = tmp_path_factory.mktemp("ar-server") / "server.log"
     server = Server(
         [
@@ -206,7 +206,7 @@ def tokenizer():
 
 class ScriptedEngine:
     """Engine stand-in: each request's token stream comes from a script keyed by its first prompt token,
-    cut into rounds of the given sizes; step() can be paused to hold requests in their slots."""
+    cut into rounds of the given sizes; step() can be paused to hold requests in their rows."""
 
     def __init__(self, scripts: dict[int, tuple[list[int], list[int]]], max_batch_size=2, tree_size=5):
         self.scripts, self.max_batch_size, self.max_seq_len = scripts, max_batch_size, 256
@@ -218,34 +218,36 @@ class ScriptedEngine:
         self.gate = threading.Event()
         self.gate.set()
 
-    def tree_size_for(self, n):
-        return self.tree_size
+    def plan(self, n):
+        from ddtree.runtime.plan import RoundPlan
 
-    def add(self, slot, prompt, params):
+        return RoundPlan(self.max_batch_size, True, self.budget, self.tree_size, 8)
+
+    def add(self, row, prompt, params):
         tokens, sizes = self.scripts[prompt[0]]
         rounds, i = [], 1
         for s in sizes:
             rounds.append(tokens[i : i + s])
             i += s
-        self.streams[slot] = rounds
-        self.host_active[slot], self.host_lengths[slot] = True, len(prompt)
+        self.streams[row] = rounds
+        self.host_active[row], self.host_lengths[row] = True, len(prompt)
         return tokens[0]
 
     def step(self, n):
         self.gate.wait(10)
         out = []
-        for slot in range(n):
-            if not self.host_active[slot]:
+        for row in range(n):
+            if not self.host_active[row]:
                 out.append([])
                 continue
-            toks = self.streams[slot].pop(0)
-            self.host_lengths[slot] += len(toks)
+            toks = self.streams[row].pop(0)
+            self.host_lengths[row] += len(toks)
             out.append(toks)
         return out
 
-    def release(self, slot):
-        self.host_active[slot] = False
-        self.released.append(slot)
+    def release(self, row):
+        self.host_active[row] = False
+        self.released.append(row)
 
 
 def run_requests(engine, tokenizer, reqs, max_waiting=4):
@@ -318,13 +320,13 @@ def test_scheduler_stop_strings_utf8_and_truncation_inside_rounds(tokenizer):
     assert len(eng.released) == 4
 
 
-def test_scheduler_queue_bound_and_cancellation_free_slots(tokenizer):
+def test_scheduler_queue_bound_and_cancellation_free_rows(tokenizer):
     from ddtree.runtime.engine import SamplingParams
     from ddtree.serving.scheduler import QueueFull, Request, Scheduler
 
     scripts = {i: (list(range(1000, 1100)), [1] * 99) for i in range(200, 206)}
     eng = ScriptedEngine(scripts, max_batch_size=2)
-    eng.gate.clear()  # rounds block: admitted requests stay in their slots
+    eng.gate.clear()  # rounds block: admitted requests stay in their rows
     m = ServerMetrics("test")
     sched = Scheduler(eng, tokenizer, m, max_waiting=1)
     sched.start()
@@ -341,7 +343,7 @@ def test_scheduler_queue_bound_and_cancellation_free_slots(tokenizer):
         sched.submit(reqs[3])
     sched.cancel(reqs[2])  # a waiting request just leaves the queue
     assert sched.waiting == 0
-    sched.cancel(reqs[0])  # a running one frees its slot before the next round
+    sched.cancel(reqs[0])  # a running one frees its row before the next round
     eng.gate.set()
     deadline = time.monotonic() + 5
     while 0 not in eng.released and time.monotonic() < deadline:
@@ -364,7 +366,7 @@ def test_scheduler_queue_bound_and_cancellation_free_slots(tokenizer):
     eng.gate.set()
     stopper.join(10)
     assert got[4][-1].error_status == 503 and "shutting down" in got[4][-1].error
-    assert sched._free == 2, "every claimed slot was given back"
+    assert sched._free == 2, "every claimed row was given back"
 
 
 def test_scheduler_survives_a_failed_round_and_reports_a_dead_engine(tokenizer):
@@ -766,7 +768,7 @@ def test_bench_serve_load_generator(ddtree_server):
         assert abs(r["wall_ms_per_round"] - parts) < 0.01
 
 
-# ---- admission control and disconnects (2 slots, 1 waiting) ------------------------------------------
+# ---- admission control and disconnects (2 engine rows, 1 waiting) ---------------------------------
 
 
 def _open_stream(url: str, max_tokens: int = 400, stream: bool = True) -> socket.socket:
@@ -802,10 +804,10 @@ def _wait_metric(url: str, name: str, value: float, timeout: float = 60.0, **lab
 
 
 @pytest.mark.slow
-def test_queue_bound_gives_429_and_disconnected_clients_free_their_slots(ar_server):
+def test_queue_bound_gives_429_and_disconnected_clients_free_their_rows(ar_server):
     url = ar_server.url
     base_499 = total(metrics(url), "ddtree_requests_total", status="499")
-    a, b = _open_stream(url), _open_stream(url)  # both slots busy
+    a, b = _open_stream(url), _open_stream(url)  # both rows busy
     _wait_metric(url, "ddtree_requests_running", 2)
     result = {}
     waiter = threading.Thread(
@@ -817,7 +819,7 @@ def test_queue_bound_gives_429_and_disconnected_clients_free_their_slots(ar_serv
     _wait_metric(url, "ddtree_requests_waiting", 1)
     status, body = http("POST", url + "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert_openai_error(status, body, 429, "waiting")
-    # the clients of both long streams go away: their slots free up and the waiting request runs
+    # the clients of both long streams go away: their rows free up and the waiting request runs
     a.close()
     b.close()
     waiter.join(120)
@@ -826,14 +828,14 @@ def test_queue_bound_gives_429_and_disconnected_clients_free_their_slots(ar_serv
     _wait_metric(url, "ddtree_requests_total", base_499 + 2, status="499")
     samples = metrics(url)
     assert total(samples, "ddtree_requests_total", status="429") >= 1
-    # a non-streaming client that goes away frees its slot too
+    # a non-streaming client that goes away frees its row too
     c = _open_stream(url, stream=False)
     _wait_metric(url, "ddtree_requests_running", 1)
     c.close()
     _wait_metric(url, "ddtree_requests_running", 0)
     _wait_metric(url, "ddtree_requests_total", base_499 + 3, status="499")
     assert total(metrics(url), "ddtree_kv_cache_usage_ratio") == 0
-    # the freed slots really are free: a full-length request completes normally
+    # the freed rows really are free: a full-length request completes normally
     status, body = http(
         "POST",
         url + "/v1/chat/completions",

@@ -187,7 +187,7 @@ def drive(engine):
     out["first"].append(engine.add(2, PROMPTS[2], greedy))
     for _ in range(3):
         out["steps"].append(engine.step(3))
-    engine.release(0)  # slot 0 leaves, slots 1 and 2 go on
+    engine.release(0)  # row 0 leaves, rows 1 and 2 go on
     for _ in range(2):
         out["steps"].append(engine.step(3))
     return out
@@ -434,7 +434,7 @@ def test_serve_tp3_answers_like_tp1_and_sigterm_ends_every_rank(smollm2, tmp_pat
             got[p] = post(url + "/v1/completions", body(p, stream=bool(i % 2)))
 
         threads = [threading.Thread(target=client, args=(i, p)) for i, p in enumerate(SERVE_PROMPTS)]
-        for t in threads:  # concurrent: several slots share rounds
+        for t in threads:  # concurrent: several rows share rounds
             t.start()
         for t in threads:
             t.join(600)

@@ -127,12 +127,21 @@ def test_make_data_format_split_and_determinism(target, data):
 
 
 def test_batched_generation_equals_engine_ar(target):
+    """Continuations of prompts of different lengths, 3 rows for 5 prompts: plain greedy decoding, cut
+    after the first stop token; sampled ones depend on the seed alone."""
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 31)), [5] * 12, [40, 41]]
     for stops in [(), (3, 17)]:
         got = generate_continuations(target, prompts, 20, stops, batch_size=3, progress=False)
         eng = Engine(target, None, "ar", max_batch_size=len(prompts), max_seq_len=64)
         ref = eng.generate(prompts, SamplingParams(max_new_tokens=20, stop_token_ids=stops))
         assert got == [r.token_ids for r in ref]
+    sampled = [
+        generate_continuations(target, prompts, 20, (3,), 3, temperature=1.0, top_p=0.9, seed=s, progress=False)
+        for s in (0, 0, 1)
+    ]
+    assert sampled[0] == sampled[1] != sampled[2]
+    for seq in sampled[0]:
+        assert 1 <= len(seq) <= 20 and (len(seq) == 20 or seq[-1] == 3) and 3 not in seq[:-1]
 
 
 def test_training_forward_equals_inference_forward(target, data):
@@ -431,8 +440,8 @@ def test_cli_make_data_train_and_resume(target, tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_generation_and_bf16_training(target, data, tmp_path):
-    """On CUDA: greedy decode steps replayed from a CUDA graph emit the eager tokens (fp32), and bf16
-    autocast training lowers the loss."""
+    """On CUDA: generation whose rounds replay the engine's CUDA graphs emits the eager tokens (fp32), and
+    bf16 autocast training lowers the loss."""
     gpu = Transformer(target.config)  # a fresh, unfused copy: Engine fuses q/k/v in place, which .to() breaks
     gpu.load_state_dict(target.state_dict())
     gpu = gpu.cuda().eval()

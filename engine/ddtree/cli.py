@@ -196,13 +196,13 @@ def add_serve_commands(subparsers) -> None:
     p.add_argument("--host", default=UNSET, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=UNSET, help="port (default 8000; 0 picks a free one)")
     p.add_argument(
-        "--max-batch-size", type=int, default=UNSET, help="engine slots = concurrently running requests (default 8)"
+        "--max-batch-size", type=int, default=UNSET, help="engine rows = concurrently running requests (default 8)"
     )
     p.add_argument(
         "--max-seq-len", type=int, default=UNSET, help="per-request context: prompt + max_tokens (default 2048)"
     )
     p.add_argument(
-        "--max-waiting", type=int, default=UNSET, help="queued requests beyond the slots before 429 (default 4 x slots)"
+        "--max-waiting", type=int, default=UNSET, help="queued requests beyond the rows before 429 (default 4 x rows)"
     )
     p.add_argument("--served-model-name", default=UNSET, help="model name in the API (default: the --model value)")
     add_device_flags(p)

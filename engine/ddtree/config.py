@@ -85,9 +85,9 @@ class ParallelConfig:
 class ServingConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    max_batch_size: int = 8  # serve's engine slots (generate runs 1, smoke its largest batch bucket)
+    max_batch_size: int = 8  # serve's engine rows (generate runs 1, smoke its largest batch bucket)
     max_seq_len: int | None = None  # KV cache per sequence (default 2048; generate: prompt + max new tokens)
-    max_waiting: int | None = None  # queued requests beyond the slots before 429 (default 4 x slots)
+    max_waiting: int | None = None  # queued requests beyond the rows before 429 (default 4 x rows)
     served_model_name: str | None = None  # model name in the API (default: model.id)
     termination_log: str | None = None  # failure reason file (default /dev/termination-log when present)
 

@@ -66,7 +66,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 
 # Drafters shipped inside the package (trained by `ddtree train-drafter`; see their README.md).
 BUILTIN_DRAFTERS: dict[str, pathlib.Path] = {
-    "smollm2-135m-instruct-dflash": pathlib.Path(__file__).parent / "drafters" / "smollm2-135m-instruct-dflash",
+    "smollm2-135m-instruct-dflash": pathlib.Path(__file__).parent.parent / "drafters" / "smollm2-135m-instruct-dflash",
 }
 # The drafter `generate`/`serve` use for a built-in target when --drafter is not given.
 DEFAULT_DRAFTERS = {"smollm2-135m-instruct": "smollm2-135m-instruct-dflash"}

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime import kernels
 
-if TYPE_CHECKING:
-    from ..runtime.parallel import TensorParallel
+class Collectives(Protocol):
+    """What a sharded layer needs from its tensor-parallel group (ddtree.runtime.parallel.TensorParallel)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
+
+    def all_reduce(self, x: Tensor) -> Tensor: ...
+
+    def all_gather_last(self, x: Tensor) -> Tensor: ...
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
@@ -115,33 +124,54 @@ def concat_views(params: list[Tensor]) -> Tensor:
 
 
 class MLP(nn.Module):
+    """The gated (SwiGLU) MLP. Inference swaps in a fused gate/up GEMM (ddtree.runtime.fused)."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.w_gate_up: Tensor | None = None
-        self.kernels = False  # Triton silu_mul on the fused gate/up output, see Transformer.fuse()
-        self.tp: TensorParallel | None = None  # set once sharded: down_proj outputs are partial sums
+        self.tp: Collectives | None = None  # set once sharded: down_proj outputs are partial sums
 
-    def fuse(self) -> None:
-        self.w_gate_up = concat_views([self.gate_proj.weight, self.up_proj.weight])
+    def activate(self, x: Tensor) -> Tensor:
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.w_gate_up is not None and self.kernels and x.numel() == x.shape[-1]:  # a batch-1 decode step
-            out = kernels.gemv(
-                F.linear(x, self.w_gate_up), self.down_proj.weight, silu_mul=True, config=kernels.GEMV_CONFIGS["down"]
-            )
-        elif self.w_gate_up is not None and self.kernels:
-            config, inter = kernels.SKINNY_CONFIGS.get("gate_up"), self.down_proj.weight.shape[1]
-            if kernels.skinny_applies(x.numel() // x.shape[-1], inter, x.shape[-1], config, x.dtype):
-                out = self.down_proj(kernels.skinny_linear(x, self.w_gate_up, config, gate_up=True))
-            else:
-                out = self.down_proj(kernels.silu_mul(F.linear(x, self.w_gate_up)))
-        else:
-            if self.w_gate_up is not None:
-                gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
-            else:
-                gate, up = self.gate_proj(x), self.up_proj(x)
-            out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(self.activate(x))
         return self.tp.all_reduce(out) if self.tp else out
+
+
+# ---- tensor parallel splits (ddtree.runtime.parallel calls the families' shard_layers) ----------------
+
+
+def keep_rows(p: Tensor, rank: int, n: int) -> None:
+    """Keep rows [rank * n, (rank + 1) * n) of a parameter, in place."""
+    p.data = p.data[rank * n : (rank + 1) * n].clone()
+
+
+def keep_cols(p: Tensor, rank: int, n: int) -> None:
+    p.data = p.data[:, rank * n : (rank + 1) * n].clone()
+
+
+def shard_mlp(mlp: MLP, tp: Collectives, inter: int) -> None:
+    """Megatron split of a gated MLP: gate/up by output rows, down by input columns (outputs are partial sums)."""
+    keep_rows(mlp.gate_proj.weight, tp.rank, inter)
+    keep_rows(mlp.up_proj.weight, tp.rank, inter)
+    keep_cols(mlp.down_proj.weight, tp.rank, inter)
+    mlp.tp = tp
+
+
+def shard_attention_mlp(attn, mlp: MLP, tp: Collectives, hq: int, hkv: int, inter: int) -> None:
+    """Megatron split of a grouped-query attention (q/k/v by heads, o by input columns) and its MLP, for a
+    rank keeping hq query heads, hkv KV heads and an MLP width of inter."""
+    hd, rank = attn.head_dim, tp.rank
+    for proj, heads in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)):
+        keep_rows(proj.weight, rank, heads * hd)
+        if proj.bias is not None:
+            keep_rows(proj.bias, rank, heads * hd)
+    keep_cols(attn.o_proj.weight, rank, hq * hd)
+    if attn.o_proj.bias is not None and rank > 0:
+        attn.o_proj.bias.data.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
+    attn.n_heads, attn.n_kv = hq, hkv
+    attn.tp = tp
+    shard_mlp(mlp, tp, inter)

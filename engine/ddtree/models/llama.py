@@ -8,17 +8,21 @@ because tree nodes are stored in consecutive slots while siblings share a positi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime import kernels
-from .layers import MLP, KVCache, RMSNorm, apply_rope, concat_views, rope_cos_sin, rope_inv_freq
-
-if TYPE_CHECKING:
-    from ..runtime.parallel import TensorParallel
+from .layers import (
+    MLP,
+    Collectives,
+    KVCache,
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+    rope_inv_freq,
+    shard_attention_mlp,
+)
 
 
 @dataclass
@@ -41,13 +45,19 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
 
+    def split_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
+        return {
+            "attention heads": self.num_attention_heads,
+            "KV heads": self.num_key_value_heads,
+            "MLP width": self.intermediate_size,
+            "vocabulary": self.vocab_size,
+        }
+
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         """Build from a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
         model_type = cfg.get("model_type", "llama")
-        supported = {"llama", "qwen2", "qwen3", "mistral"}
-        if model_type not in supported:
-            raise ValueError(f"unsupported model_type '{model_type}' (supported: {', '.join(sorted(supported))})")
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or None
@@ -79,6 +89,9 @@ class ModelConfig:
 
 
 class Attention(nn.Module):
+    """Grouped-query attention over the static cache, as four steps that fused modules replace in part
+    (ddtree.runtime.fused): project, normalise + rotate + write the cache, attend, project out."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -88,24 +101,41 @@ class Attention(nn.Module):
         # Qwen2 has biases on q/k/v only; Llama/Qwen3 put attention_bias on o_proj too
         o_bias = cfg.attention_bias and cfg.model_type != "qwen2"
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        # Qwen3: RMSNorm over each head of q and k before RoPE
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.kv_cache: KVCache | None = None
-        self.tp: TensorParallel | None = None  # set once sharded: o_proj outputs are partial sums
-        self.wqkv: Tensor | None = None  # fused projection, see fuse()
-        self.bqkv: Tensor | None = None
-        self.kernels = False  # Triton norm + RoPE + KV write (kernels.py), see Transformer.fuse()
+        self.tp: Collectives | None = None  # set once sharded: o_proj outputs are partial sums
 
-    def fuse(self) -> None:
-        """One GEMM for q, k and v: the three weights become views into one concatenated tensor, so
-        the parameter names (and state dicts) stay Hugging Face's and no memory is duplicated."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.wqkv = concat_views([p.weight for p in projs])
-        if self.q_proj.bias is not None:
-            self.bqkv = concat_views([p.bias for p in projs])
+    def metadata(self, mask: Tensor) -> Tensor | None:
+        """What the layers of one forward share about its mask (none here; see the Triton attention)."""
+        return None
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        bs, T, _ = x.shape
+        q = self.q_proj(x).view(bs, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(bs, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(bs, T, self.n_kv, self.head_dim)
+        return q, k, v
+
+    def rotate_and_cache(
+        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, rows: Tensor | None
+    ) -> Tensor:
+        """Normalise and rotate q and k, write k and v at the cache slots; returns q [bs, heads, T, hd]."""
+        q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)
+        self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
+        return q
+
+    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
+        bs, _, T, _ = q.shape
+        k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        return out.transpose(1, 2).reshape(bs, T, -1)
+
+    def output(self, out: Tensor) -> Tensor:
+        out = self.o_proj(out)
+        return self.tp.all_reduce(out) if self.tp else out
 
     def forward(
         self,
@@ -115,67 +145,10 @@ class Attention(nn.Module):
         slots: Tensor,
         mask: Tensor,
         rows: Tensor | None,
-        extent: Tensor | None = None,
+        meta: Tensor | None = None,
     ) -> Tensor:
-        bs, T, _ = x.shape
-        one_row = self.kernels and bs * T == 1  # a batch-1 decode step: GEMVs (kernels.gemv)
-        if self.wqkv is not None:
-            qkv = (
-                kernels.gemv(x, self.wqkv, self.bqkv, config=kernels.GEMV_CONFIGS["qkv"])
-                if one_row
-                else F.linear(x, self.wqkv, self.bqkv)
-            )
-            q, k, v = qkv.split(
-                [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1
-            )
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(bs, T, self.n_heads, self.head_dim)
-        k = k.view(bs, T, self.n_kv, self.head_dim)
-        v = v.view(bs, T, self.n_kv, self.head_dim)
-        if self.kernels:  # one kernel for what follows in the else branch (KVCache.update's layout)
-            norm = self.q_norm is not None
-            q = kernels.qk_norm_rope_kv(
-                q,
-                k,
-                v,
-                cos,
-                sin,
-                self.q_norm.weight if norm else None,
-                self.k_norm.weight if norm else None,
-                self.q_norm.eps if norm else 0.0,
-                self.kv_cache.k,
-                self.kv_cache.v,
-                rows,
-                slots,
-            )
-        else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q = apply_rope(q.transpose(1, 2), cos, sin)
-            k = apply_rope(k.transpose(1, 2), cos, sin)
-            self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
-        if self.kernels and kernels.attention_applies(bs, T):
-            out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, rows, extent)
-        else:
-            k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
-            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-            out = out.transpose(1, 2).reshape(bs, T, -1)
-        o_config = kernels.SKINNY_CONFIGS.get("o")
-        if one_row:
-            out = kernels.gemv(out, self.o_proj.weight, self.o_proj.bias, config=kernels.GEMV_CONFIGS["o"])
-        elif (
-            self.kernels
-            and self.tp is None
-            and self.o_proj.bias is None  # the all-reduce takes one tensor
-            and kernels.skinny_applies(
-                bs * T, self.o_proj.weight.shape[0], self.o_proj.weight.shape[1], o_config, x.dtype
-            )
-        ):
-            out = kernels.skinny_linear(out, self.o_proj.weight, o_config)  # [splits, bs, T, hidden]: add_rms_norm sums
-        else:
-            out = self.o_proj(out)
-        return self.tp.all_reduce(out) if self.tp else out
+        q = self.rotate_and_cache(*self.project(x), cos, sin, slots, rows)
+        return self.output(self.attend(q, mask, rows, meta))
 
 
 class DecoderLayer(nn.Module):
@@ -186,11 +159,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, rows: Tensor | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, rows)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_fused(
+    def forward(
         self,
         x: Tensor,
         h: Tensor,
@@ -200,17 +169,14 @@ class DecoderLayer(nn.Module):
         slots: Tensor,
         mask: Tensor,
         rows: Tensor | None,
-        extent: Tensor | None,
+        meta: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        """The Triton path: each residual add is fused with the RMSNorm that follows it (this layer's
-        post-attention norm, then the next layer's input norm or the final norm), so the layer takes
-        the residual x and its normed h and returns the pair for the next one. Attention and MLP outputs
-        arrive already all-reduced under tensor parallelism, before the add, as in forward(). extent:
-        kernels.mask_extent(mask), shared by the layers."""
-        post = self.post_attention_layernorm
-        h, x = kernels.add_rms_norm(self.self_attn(h, cos, sin, slots, mask, rows, extent), x, post.weight, post.eps)
-        h, x = kernels.add_rms_norm(self.mlp(h), x, next_norm.weight, next_norm.eps)
-        return x, h
+        """Takes the residual stream x and its normed h (this layer's input norm), returns the pair for
+        the next layer: next_norm is its input norm, or the final norm. Carrying the pair lets the fused
+        layer (ddtree.runtime.fused) join each residual add with the norm that follows it."""
+        x = x + self.self_attn(h, cos, sin, slots, mask, rows, meta)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, next_norm(x)
 
 
 class Decoder(nn.Module):
@@ -239,38 +205,30 @@ class Transformer(nn.Module):
         )
         self.max_batch = self.max_slots = 0
         self.kv_storage: Tensor | None = None  # [layers, 2 (k, v), batch, kv heads, slots + 1, head dim]
-        self.tp: TensorParallel | None = None  # set once sharded
-        self.kernels = False  # Triton kernels in the forward, see fuse()
+        self.tp: Collectives | None = None  # set once sharded
+        # the modules' implementation: "reference" as built; ddtree.runtime.fused swaps in "torch" (fused
+        # GEMMs) or "triton" (fused GEMMs and Triton kernels) for inference, once, at load
+        self.backend = "reference"
 
     def _apply(self, fn, recurse=True):
-        # moving or casting re-creates the parameters: drop the fused views (the next Engine fuses again)
-        self.fuse_off()
+        # moving or casting re-creates the weights, so the fused modules revert to the reference ones
+        # (ddtree.runtime.fused); the next Engine swaps them in again
+        self.backend = "reference"
         return super()._apply(fn, recurse)
 
-    def fuse_off(self) -> None:
-        self.kernels = False
+    def shard_layers(self, tp: Collectives) -> None:
+        """Keep this rank's heads and MLP columns of every layer (ddtree.runtime.parallel.shard splits the
+        vocabulary and checks split_sizes first)."""
+        cfg, world = self.config, tp.world
         for layer in self.model.layers:
-            layer.self_attn.wqkv = layer.self_attn.bqkv = layer.mlp.w_gate_up = None
-            layer.self_attn.kernels = layer.mlp.kernels = False
-
-    def fuse(self, kernels: bool = False) -> None:
-        """Fused q/k/v and gate/up GEMMs for inference (fewer, larger kernels); weights are shared.
-        kernels=True also swaps the element-wise work between the GEMMs for the Triton kernels of
-        kernels.py (CUDA, or CPU under TRITON_INTERPRET=1); calling fuse again only toggles that."""
-        if kernels:
-            from ..runtime.kernels import available
-
-            if not available(self.lm_head.weight.device):
-                raise RuntimeError(
-                    f"Triton kernels need triton and a CUDA device (model is on "
-                    f"{self.lm_head.weight.device}; on CPU only under TRITON_INTERPRET=1)"
-                )
-        self.kernels = kernels
-        for layer in self.model.layers:
-            if layer.self_attn.wqkv is None:
-                layer.self_attn.fuse()
-                layer.mlp.fuse()
-            layer.self_attn.kernels = layer.mlp.kernels = kernels
+            shard_attention_mlp(
+                layer.self_attn,
+                layer.mlp,
+                tp,
+                cfg.num_attention_heads // world,
+                cfg.num_key_value_heads // world,
+                cfg.intermediate_size // world,
+            )
 
     def setup_caches(self, max_batch: int, max_slots: int) -> None:
         p = self.lm_head.weight
@@ -325,25 +283,17 @@ class Transformer(nn.Module):
         """
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype)
         x = self.embed(tokens)
-        taps = {}
-        layers = self.model.layers
-        if self.kernels and len(layers):
-            bs, T = tokens.shape
-            extent = (
-                kernels.mask_extent(mask.expand(bs, 1, T, mask.shape[-1])) if kernels.attention_applies(bs, T) else None
-            )
-            h = layers[0].input_layernorm(x)
-            for i, layer in enumerate(layers):
-                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-                x, h = layer.forward_fused(x, h, next_norm, cos, sin, slots, mask, rows, extent)
-                if i in tap_layers:
-                    taps[i] = x
-        else:
-            for i, layer in enumerate(layers):
-                x = layer(x, cos, sin, slots, mask, rows)
-                if i in tap_layers:
-                    taps[i] = x
-            h = self.model.norm(x)
+        layers, taps = self.model.layers, {}
+        if not layers:
+            return (self.logits(self.model.norm(x)) if logits else self.model.norm(x)), None
+        bs, T = tokens.shape
+        meta = layers[0].self_attn.metadata(mask.expand(bs, 1, T, mask.shape[-1]))
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = layer(x, h, next_norm, cos, sin, slots, mask, rows, meta)
+            if i in tap_layers:
+                taps[i] = x
         tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         return (self.logits(h) if logits else h), tapped
 

@@ -16,6 +16,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from ..config import SpeculationConfig
 from ..models.llama import Transformer
 from .build import make_engine
 from .engine import Engine, SamplingParams
+from .fused import use_backend
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def use_kernels(target: Transformer, variant: str) -> None:
     """Fused GEMMs (as the Engine runs them) with the PyTorch ("torch") or Triton ("triton") element-wise path."""
-    target.fuse(kernels=variant == "triton")
+    use_backend(target, variant)
 
 
 @torch.inference_mode()
@@ -132,7 +134,11 @@ def micro(target: Transformer, ctx: int = 1024, variants: tuple[str, ...] = ("to
     On CUDA each shape is one CUDA graph; on CPU (a check of the code path) eager, with no bound."""
     dev = target.lm_head.weight.device
     cuda = dev.type == "cuda"
-    out = {"ctx": ctx, "kernels": list(variants), "tensor_parallel": target.tp.world if target.tp else 1}
+    out: dict[str, Any] = {
+        "ctx": ctx,
+        "kernels": list(variants),
+        "tensor_parallel": target.tp.world if target.tp else 1,
+    }
     if cuda:  # under tensor parallelism: this rank's shard against this rank's HBM
         bw, wbytes = copy_bandwidth(dev), weight_bytes(target)
         out.update(
@@ -357,7 +363,13 @@ def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: boo
         torch.cuda.get_device_name() if target.lm_head.weight.is_cuda else f"cpu ({torch.get_num_threads()} threads)"
     )
     world = target.tp.world if target.tp else 1
-    results = {"label": label, "device": device, "torch": torch.__version__, "tensor_parallel": world, "rows": []}
+    results: dict[str, Any] = {
+        "label": label,
+        "device": device,
+        "torch": torch.__version__,
+        "tensor_parallel": world,
+        "rows": [],
+    }
 
     def emit(record: dict) -> None:
         if report:

@@ -31,12 +31,14 @@ def device_and_dtype(device: str | None, dtype: str | None):
     return model.device, torch_dtype(model.dtype)
 
 
-def use_triton_kernels(choice: str, device: str) -> bool:
+def inference_backend(choice: str, device: str) -> str:
+    """The fused-module backend (ddtree.runtime.fused) of a --kernels choice: auto, torch or triton."""
     from .kernels import available
 
     if choice == "triton" and not available(device):
         raise ConfigError("--kernels triton needs triton and a CUDA device")
-    return choice == "triton" or (choice == "auto" and str(device).startswith("cuda") and available(device))
+    triton = choice == "triton" or (choice == "auto" and str(device).startswith("cuda") and available(device))
+    return "triton" if triton else "torch"
 
 
 def load_target(ref: str, device: str, dtype, revision: str | None = None, kernels: str = "torch"):
@@ -45,33 +47,32 @@ def load_target(ref: str, device: str, dtype, revision: str | None = None, kerne
     from transformers import AutoTokenizer
 
     from ..models.checkpoint import resolve_model
-    from ..models.llama import Transformer
     from ..models.random import RANDOM_PREFIX, random_model
+    from ..models.registry import load_pretrained
+    from .fused import use_backend
 
-    triton = use_triton_kernels(kernels, device)  # refuse before the (slow) load
+    backend = inference_backend(kernels, device)  # refuse before the (slow) load
     if ref.startswith(RANDOM_PREFIX):  # cost runs: random weights and a byte-level stand-in tokenizer
         from ..models.random import ByteTokenizer
 
         target = random_model(ref.removeprefix(RANDOM_PREFIX), device, dtype)
-        if triton:
-            target.fuse(kernels=True)
+        use_backend(target, backend)
         return target, ByteTokenizer(target.config.vocab_size)
     folder = resolve_model(ref, revision)
-    target = Transformer.from_pretrained(folder, dtype=dtype, device=device)
-    if triton:
-        target.fuse(kernels=True)  # the Engine keeps an already fused target as it is
+    target = load_pretrained(folder, dtype=dtype, device=device)
+    use_backend(target, backend)  # the Engine keeps the backend a target has
     return target, AutoTokenizer.from_pretrained(folder)
 
 
 def target_config(ref: str, revision: str | None = None):
     """The target's ModelConfig without loading weights (a GGUF file is converted first)."""
     from ..models.checkpoint import load_config, resolve_model
-    from ..models.llama import ModelConfig
     from ..models.random import RANDOM_PREFIX, random_config
+    from ..models.registry import config_from_hf
 
     if ref.startswith(RANDOM_PREFIX):
         return random_config(ref)
-    return ModelConfig.from_hf(load_config(resolve_model(ref, revision)))
+    return config_from_hf(load_config(resolve_model(ref, revision)))
 
 
 def load_drafter_ref(ref: str, target, device: str, dtype, revision: str | None = None):
@@ -108,12 +109,17 @@ def rank_device(device: str, rank: int, world: int) -> str:
     return device
 
 
+def _no_note(text: str | None = None) -> None:
+    pass
+
+
 def load_models(
     config: EngineConfig, rank: int = 0, world: int = 1, note: Callable[[str | None], None] | None = None
 ) -> Loaded:
     """Target (+ drafter unless the method is `ar`) of a resolved config; with world > 1, this rank's
     shard (call it on every rank, after joining the group), fused again on the shards."""
-    note = note or (lambda text=None: None)
+    if note is None:
+        note = _no_note
     m, spec = config.model, config.speculation
     device, dtype = rank_device(m.device, rank, world), torch_dtype(m.dtype)
     note(f"loading {m.id}")
@@ -134,10 +140,11 @@ def load_models(
     note(None)
     how = "none"
     if world > 1:
+        from .fused import use_backend
         from .parallel import split
 
         how = split(target, drafter, rank, world, config.parallel.replicate_drafter)
-        target.fuse(kernels=use_triton_kernels(config.kernels.backend, device))  # on the shards
+        use_backend(target, inference_backend(config.kernels.backend, device))  # on the shards
     return Loaded(target, drafter, tokenizer, how)
 
 

@@ -2,9 +2,11 @@
 and `ddtree` (verify the top-B prefix tree). They share every step; only the tree differs, and plain
 decoding is the root-only tree.
 
-The engine owns `max_batch_size` slots. A request joins a free slot with an eager prefill (`add`) and
-leaves it between rounds (`release`), so a scheduler can batch continuously. A round (`step`) runs
-on slots [0, n) and only reads and writes persistent per-slot buffers, in place:
+The engine owns `max_batch_size` rows (a batch row: one running request and its row of the KV caches).
+A request joins a free row with an eager prefill (`add`) and leaves it between rounds (`release`), so a
+scheduler can batch continuously. A round (`step`) runs on rows [0, n) under the round plan of n rows
+(plan.py: whether it drafts, its budget and widths) and only reads and writes persistent per-row
+buffers, in place:
   draft   drafter appends the pending context features, runs [bonus, MASK...] -> D draft rows
   tree    root-only / chain / top-B tree, flattened to N = tree size nodes per sequence
   verify  one target forward over the N nodes: slots L..L+N-1, positions L + depth, ancestor mask
@@ -16,15 +18,23 @@ The host then reads one small tensor (accepted counts and emitted tokens): one s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..models.llama import Transformer
 from ..speculative.drafter import DFlashDrafter
-from ..speculative.tree import Tree, build_chain, build_ddtree, root_only
+from ..speculative.tree import Tree, build_chain, root_only
 from ..speculative.verify import decide, tree_mask, walk
+from .fused import tree_builder, use_backend, use_drafter_backend
+from .plan import RoundPlan, check_budget, needs_drafter, round_plans, round_sizes
+
+if TYPE_CHECKING:
+    from .graphs import RoundGraphs
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -71,46 +81,33 @@ class Engine:
             raise ValueError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
         if method != "ar" and drafter is None:
             raise ValueError(f"method '{method}' needs a drafter")
-        # a budget per batch size: {max batch: budget}, the last entry also for larger batches; budget 0
-        # switches speculation off at those batch sizes (plain decoding rounds, where it would not pay)
-        self.budget_policy = sorted(budget.items()) if isinstance(budget, dict) else None
-        if self.budget_policy is not None:
-            if method != "ddtree" or not self.budget_policy:
-                raise ValueError("a budget per batch size needs method 'ddtree' and at least one entry")
-            if any(n < 1 or b < 0 for n, b in self.budget_policy):
-                raise ValueError(f"budget per batch size needs batch sizes >= 1 and budgets >= 0, got {budget}")
-            budget = max(b for _, b in self.budget_policy)
-        if budget is not None and budget < 0:
-            raise ValueError(f"budget must be >= 0, got {budget}")
+        # a budget, or a budget per batch size ({max batch: budget}; 0 switches drafting off): plan.py
+        _, largest = check_budget(method, budget)
         if drafter is not None:
             drafter.config.check_target(target.config)
         self.target, self.method = target, method
-        # budget 0 verifies the root only: plain decoding, no drafter work
-        self.drafter = drafter if method == "dflash" or (method == "ddtree" and budget != 0) else None
+        # budget 0 everywhere verifies the root only: plain decoding, no drafter work
+        self.drafter = drafter if needs_drafter(method, budget) else None
         block = self.drafter.block_size if self.drafter is not None else 1
-        if method == "ddtree":
-            self.budget = block - 1 if budget is None else budget
-            self.max_depth = min(self.budget, block - 1)
-            self.tree_size = self.budget + 1
-        elif method == "dflash":
-            self.budget, self.max_depth, self.tree_size = block - 1, block - 1, block
-        else:
-            self.budget, self.max_depth, self.tree_size = 0, 0, 1
+        # buffers fit the largest budget; each batch size's round runs its own plan, self.plan(n)
+        self.budget, self.max_depth, self.tree_size = round_sizes(method, largest, block)
         self.block_size = block
+        self.plans = round_plans(method, budget, block, self.drafter is not None, max_batch_size)
         self.tap_layers = tuple(self.drafter.config.target_layer_ids) if self.drafter else ()
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # room past the committed text for the tree (target) and the block (drafter)
         self.max_slots = max_seq_len + max(self.tree_size, block)
-        if target.model.layers[0].self_attn.wqkv is None:
-            target.fuse()
+        if target.backend == "reference":  # a target straight from its family: fused GEMMs at least
+            use_backend(target, "torch")
+        self.build_ddtree = tree_builder(target.backend)  # the Triton heap or the tensorised build
         target.setup_caches(max_batch_size, self.max_slots)
         self.device = dev = target.lm_head.weight.device
         if self.drafter is not None:
             self.drafter.setup_caches(max_batch_size, self.max_slots)
-            self.drafter.use_kernels(target.kernels)  # the target's choice of Triton kernels holds for both
+            use_drafter_backend(self.drafter, target.backend)  # the target's choice holds for both
         self.mask_token_id = self.drafter.config.mask_token_id if self.drafter else 0
 
-        # persistent per-slot state, written in place
+        # persistent per-row state, written in place
         b = max_batch_size
         self.lengths = torch.zeros(b, dtype=torch.long, device=dev)  # committed tokens (= bonus position)
         self.bonus = torch.zeros(b, dtype=torch.long, device=dev)  # last emitted token, root of the next tree
@@ -125,8 +122,8 @@ class Engine:
         # round output: [accepted, emitted tokens (max_depth + 1)]
         self.readout = torch.zeros(b, self.max_depth + 2, dtype=torch.long, device=dev)
         self.node_max_logit = torch.zeros(b, self.tree_size, device=dev)
-        self.graphs = None  # RoundGraphs once capture_graphs() ran
-        self.drafted_last_round = False
+        self.graphs: RoundGraphs | None = None  # once capture_graphs() ran
+        self.last_plan: RoundPlan | None = None  # the plan of the last round step() ran
         self.eager_rounds = 0
         self.phase_events: list | None = None
         self.generator = torch.Generator(device=dev)
@@ -138,64 +135,82 @@ class Engine:
     # ---- joining and leaving ----------------------------------------------------------------
 
     @torch.inference_mode()
-    def add(self, slot: int, prompt: list[int], params: SamplingParams) -> int:
-        """Prefill `prompt` into `slot` (eager) and return its first token."""
-        self.check_request(prompt, params)
-        dev, n = self.device, len(prompt)
-        tokens = torch.tensor([prompt], device=dev)
-        j = torch.arange(n, device=dev)
-        rows = torch.tensor([slot], device=dev)
-        causal = (j[:, None] >= j[None, :]).view(1, 1, n, n)
-        hidden, taps = self.target(tokens, j[None], j[None], causal, self.tap_layers, logits=False, rows=rows)
+    def add(self, row: int, prompt: list[int], params: SamplingParams) -> int:
+        """Prefill `prompt` into batch row `row` (eager) and return its first token."""
+        return self.add_many([row], [prompt], params)[0]
+
+    @torch.inference_mode()
+    def add_many(self, rows: list[int], prompts: list[list[int]], params: SamplingParams) -> list[int]:
+        """Prefill prompts[i] into batch row rows[i], all in one eager forward (right-padded to the longest
+        prompt; padding writes go to the trash slot and no mask shows them), and return their first tokens:
+        what add() gives for each. `params` holds for every prompt."""
+        for prompt in prompts:
+            self.check_request(prompt, params)
+        dev, longest = self.device, max(len(p) for p in prompts)
+        tokens = torch.tensor([p + [0] * (longest - len(p)) for p in prompts], device=dev)
+        n = torch.tensor([len(p) for p in prompts], device=dev)
+        index = torch.tensor(rows, device=dev)
+        j = torch.arange(longest, device=dev)
+        real = j < n[:, None]  # [k, longest]: prompt tokens, not padding
+        positions = j.expand(len(prompts), longest)
+        mask = ((j[:, None] >= j[None, :]) & real[:, None, :]).view(len(prompts), 1, longest, longest)
+        slots = torch.where(real, j, self.target.trash_slot)
+        hidden, taps = self.target(tokens, positions, slots, mask, self.tap_layers, logits=False, rows=index)
         if self.drafter is not None:
-            self.drafter.append_context(taps, j[None], j[None], rows=rows)
+            ctx_slots = torch.where(real, j, self.drafter.max_slots)
+            self.drafter.append_context(taps, positions, ctx_slots, rows=index)
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
-        self.lengths[slot] = n
-        self.ctx_count[slot] = 0
-        self.active[slot] = True
-        self.temperature[slot] = params.temperature
-        self.top_p[slot] = params.top_p
-        self.host_lengths[slot] = n
-        self.host_sampling[slot] = params.temperature > 0
-        self.host_active[slot] = True
-        logits = self.target.logits(hidden[:, -1:])
-        first = decide(
-            logits,
-            self.temperature[slot : slot + 1],
-            self.top_p[slot : slot + 1],
-            self.generator,
-            self.host_sampling[slot],
-        )[0, 0]
-        self.bonus[slot] = first
-        return int(first)
+        self.lengths[index] = n
+        self.ctx_count[index] = 0
+        self.active[index] = True
+        self.temperature[index] = params.temperature
+        self.top_p[index] = params.top_p
+        for row, prompt in zip(rows, prompts):
+            self.host_lengths[row] = len(prompt)
+            self.host_sampling[row] = params.temperature > 0
+            self.host_active[row] = True
+        last = hidden[torch.arange(len(prompts), device=dev), n - 1]  # each prompt's last token
+        logits = self.target.logits(last[:, None])
+        first = decide(logits, self.temperature[index], self.top_p[index], self.generator, params.temperature > 0)
+        self.bonus[index] = first[:, 0]
+        return first[:, 0].tolist()
 
-    def release(self, slot: int) -> None:
-        self.active[slot] = False
-        self.lengths[slot] = 0  # idle slots stay at length 0, inside every attention span
-        self.host_sampling[slot] = False
-        self.host_active[slot] = False
-        self.host_lengths[slot] = 0
+    def release(self, row: int) -> None:
+        self.active[row] = False
+        self.lengths[row] = 0  # idle rows stay at length 0, inside every attention span
+        self.host_sampling[row] = False
+        self.host_active[row] = False
+        self.host_lengths[row] = 0
 
     # ---- one round --------------------------------------------------------------------------
 
-    def budget_for(self, n: int) -> int:
-        """The DDTree budget of a round on n slots (self.budget, the largest, without a policy)."""
-        if self.budget_policy is None:
-            return self.budget
-        return next((b for max_n, b in self.budget_policy if n <= max_n), self.budget_policy[-1][1])
+    def plan(self, n: int) -> RoundPlan:
+        """The round plan of n rows: whether the round drafts, its budget, tree size and drafter block."""
+        if not 1 <= n <= self.max_batch_size:
+            raise ValueError(f"no round on {n} rows: this engine has 1 to {self.max_batch_size}")
+        return self.plans[n - 1]
 
-    def tree_size_for(self, n: int) -> int:
-        """Target tokens per sequence in a round on n slots."""
-        return self.budget_for(n) + 1 if self.method == "ddtree" and self.drafter is not None else self.tree_size
+    @contextmanager
+    def pinned_plan(self, plan: RoundPlan) -> Iterator[None]:
+        """Run every round under `plan` (one of this engine's plans), whatever its row count, until the block
+        ends: the smoke test's eager references run each prompt alone under the plan of the batch they
+        check."""
+        plans = self.plans
+        self.plans = (replace(plan, batch=self.max_batch_size),) * self.max_batch_size
+        try:
+            yield
+        finally:
+            self.plans = plans
 
     def span_needed(self, n: int) -> int:
-        """Cache slots a round on slots [0, n) attends over: the longest text plus the tree or block."""
+        """Cache slots a round on rows [0, n) attends over: the longest text plus the tree or block."""
         return max(self.host_lengths[:n]) + max(self.tree_size, self.block_size)
 
     def pending_context(self, n: int) -> tuple[Tensor, Tensor]:
         """Positions and drafter cache slots [n, D + 1] of the staged context features (the last round's
-        accepted path, not yet in the drafter cache); padding rows and idle slots get the trash slot."""
+        accepted path, not yet in the drafter cache); positions past the staged count and idle rows get the
+        trash slot."""
         lengths, count = self.lengths[:n], self.ctx_count[:n]
         j = torch.arange(self.ctx_features.shape[1], device=self.device)
         ctx_pos = lengths[:, None] - count[:, None] + j
@@ -203,7 +218,7 @@ class Engine:
         return ctx_pos.clamp(min=0), torch.where(live, ctx_pos, self.drafter.max_slots)
 
     def propose(self, n: int, span: int) -> Tensor:
-        """Drafter forward on slots [0, n): [n, D, V] draft logits for the D positions after the bonus."""
+        """Drafter forward on rows [0, n): [n, D, V] draft logits for the D positions after the bonus."""
         dev, block = self.device, self.block_size
         lengths = self.lengths[:n]
         block_tokens = torch.full((n, block), self.mask_token_id, dtype=torch.long, device=dev)
@@ -223,12 +238,13 @@ class Engine:
         return self.target.logits(hidden[:, 1 : 1 + self.max_depth])
 
     def build_tree(self, n: int, span: int) -> Tree:
-        if self.drafter is None:
-            return root_only(self.bonus[:n])
-        if self.budget_for(n) == 0:
-            # speculation off at this batch size: no draft, but the staged context (one token: step()
-            # wrote a drafting round's longer path already) still goes into the drafter cache, so that
-            # drafting resumes with the whole text when the batch shrinks
+        plan = self.plan(n)
+        if not plan.drafts:
+            if self.drafter is None:
+                return root_only(self.bonus[:n])
+            # speculation off at this batch size (budget 0): no draft, but the staged context (one token:
+            # step() wrote a drafting round's longer path already) still goes into the drafter cache, so
+            # that drafting resumes with the whole text when the batch shrinks
             ctx_pos, ctx_slots = self.pending_context(n)
             self.drafter.append_context(self.ctx_features[:n, :1], ctx_pos[:, :1], ctx_slots[:, :1])
             return root_only(self.bonus[:n])
@@ -236,10 +252,10 @@ class Engine:
         self._mark("draft")
         if self.method == "dflash":
             return build_chain(self.bonus[:n], draft_logits)
-        return build_ddtree(self.bonus[:n], draft_logits, self.budget_for(n), kernel=self.target.kernels)
+        return self.build_ddtree(self.bonus[:n], draft_logits, plan.budget)
 
     def round(self, n: int, span: int, sampling: bool) -> None:
-        """One draft-tree-verify-walk-commit round on slots [0, n), attending over `span` cache slots.
+        """One draft-tree-verify-walk-commit round on rows [0, n), attending over `span` cache slots.
 
         Reads and writes only persistent buffers (results land in self.readout[:n]) and never syncs
         with the host, so that it can be captured as one CUDA graph per (n, span, sampling)."""
@@ -279,27 +295,27 @@ class Engine:
 
     @torch.inference_mode()
     def step(self, n: int) -> list[list[int]]:
-        """Run one round on slots [0, n) and return, per slot, the tokens it emitted (idle slots: [])."""
+        """Run one round on rows [0, n) and return, per row, the tokens it emitted (idle rows: [])."""
         sampling = any(self.host_sampling[:n])
         needed = self.span_needed(n)
-        drafts = self.drafter is not None and self.budget_for(n) > 0
-        if self.drafter is not None and not drafts and self.drafted_last_round:
+        plan, last = self.plan(n), self.last_plan
+        if self.drafter is not None and not plan.drafts and last is not None and last.drafts:
             # a drafting round staged up to max_depth + 1 tokens of context: written here, eagerly (only
             # when the batch grows past the sizes that draft), so that the round's graph writes one token
             self.drafter.append_context(self.ctx_features[:n], *self.pending_context(n))
             self.ctx_count[:n].zero_()
-        self.drafted_last_round = drafts
+        self.last_plan = plan
         if self.graphs is None or not self.graphs.run(n, needed, sampling):
             self.eager_rounds += 1
             self.round(n, min(self.max_slots, -(-needed // 128) * 128), sampling)
-        rows = self.readout[:n].tolist()  # the one host sync of the round
-        out = []
-        for slot, row in enumerate(rows):
-            if not self.host_active[slot]:
+        readout = self.readout[:n].tolist()  # the one host sync of the round
+        out: list[list[int]] = []
+        for row, result in enumerate(readout):  # [accepted, emitted tokens]
+            if not self.host_active[row]:
                 out.append([])
                 continue
-            self.host_lengths[slot] += row[0]
-            out.append(row[1 : 1 + row[0]])
+            self.host_lengths[row] += result[0]
+            out.append(result[1 : 1 + result[0]])
         return out
 
     def capture_graphs(
@@ -322,7 +338,7 @@ class Engine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[GenerationResult]:
-        """Generate for up to max_batch_size prompts at once (slots 0..len-1)."""
+        """Generate for up to max_batch_size prompts at once (rows 0..len-1)."""
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -331,8 +347,8 @@ class Engine:
         for p, sp in zip(prompts, params):
             self.check_request(p, sp)
         n = len(prompts)
-        for slot in range(self.max_batch_size):
-            self.release(slot)
+        for row in range(self.max_batch_size):
+            self.release(row)
         start = time.perf_counter()
         out: list[list[int]] = [[] for _ in prompts]
         accepted: list[list[int]] = [[] for _ in prompts]

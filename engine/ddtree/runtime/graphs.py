@@ -1,10 +1,10 @@
 """CUDA graphs of whole rounds, one per (batch bucket, attention-span bucket, sampling).
 
-A graph replays `Engine.round` on slots [0, bucket): draft at block_size tokens per sequence, verify
+A graph replays `Engine.round` on rows [0, bucket): draft at block_size tokens per sequence, verify
 at budget + 1, walk and compaction, all reading and writing the engine's persistent buffers, so a
-replay needs no input copies. Widths come from the engine's own settings (block size from the
-drafter, tree size from the budget) and are recorded with each graph; a replay for a shape that was
-not captured raises GraphShapeError naming both shapes, or runs eagerly when `fallback` is set.
+replay needs no input copies. Widths come from the bucket's round plan (`Engine.plan`: drafter block
+when it drafts, tree size from its budget) and are recorded with each graph; a replay for a shape that
+was not captured raises GraphShapeError naming both shapes, or runs eagerly when `fallback` is set.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class GraphShapeError(RuntimeError):
 
 @dataclass(frozen=True)
 class RoundShape:
-    batch: int  # sequences per replay (slots [0, batch))
+    batch: int  # sequences per replay (rows [0, batch))
     span: int  # cache slots attended over
     draft_tokens: int  # drafter queries per sequence (block_size; 0 without a draft)
     verify_tokens: int  # target tokens per sequence (this batch's budget + 1)
@@ -50,9 +50,10 @@ class RoundGraphs:
             raise GraphShapeError(f"batch buckets {bad} outside 1..max_batch_size={engine.max_batch_size}")
         self.engine = engine
         self.batch_buckets = sorted(set(batch_buckets))
-        # a replay runs the bucket's round, so a budget that changes between two buckets would differ from
-        # the eager round on the same slots
-        off = [n for n, _ in engine.budget_policy or () if n not in self.batch_buckets and n < self.batch_buckets[-1]]
+        # a replay runs the bucket's round, so a plan that ends between two buckets (a budget that changes
+        # there) would differ from the eager round on the same rows
+        last = self.batch_buckets[-1]
+        off = sorted({p.batch for p in engine.plans if p.batch not in self.batch_buckets and p.batch < last})
         if off:
             raise GraphShapeError(
                 f"the budget per batch size changes at batch sizes {off}, which are not graph "
@@ -69,14 +70,13 @@ class RoundGraphs:
         self.fallbacks = 0
 
     def shape(self, batch: int, span: int, sampling: bool) -> RoundShape:
-        e = self.engine
-        drafts = e.drafter is not None and e.budget_for(batch) > 0  # budget 0: this bucket decodes plainly
-        return RoundShape(batch, span, e.block_size if drafts else 0, e.tree_size_for(batch), sampling)
+        plan = self.engine.plan(batch)  # block 0: this bucket decodes plainly
+        return RoundShape(batch, span, plan.block, plan.tree_size, sampling)
 
     @torch.inference_mode()
     def capture(self, sampling: tuple[bool, ...] = (False,)) -> float:
         """Capture every (batch bucket, span bucket, sampling) graph. Must run while no request is active:
-        warm-up and capture rounds write garbage into idle slots."""
+        warm-up and capture rounds write garbage into idle rows."""
         e = self.engine
         if e.device.type != "cuda":
             raise GraphShapeError(f"CUDA graphs need a CUDA device (engine is on {e.device})")

@@ -14,7 +14,8 @@ replace SDPA over the tree mask and the DDTree tree's many small kernels. For 2-
 forward), `skinny_linear` runs the o projection (as K-split partial products that add_rms_norm sums) and
 the gate/up projection (with silu_mul folded in) closer to the HBM bound than cuBLAS does.
 
-The pure-PyTorch code in model.py stays the reference and the CPU path. Arithmetic is in fp32 with
+The pure-PyTorch forwards of ddtree.models stay the reference and the CPU path; ddtree.runtime.fused
+swaps these kernels in. Arithmetic is in fp32 with
 one rounding to the output dtype, so results agree with the reference to bf16 rounding, not bitwise.
 Launches read no tensor values on the host: everything is CUDA-graph capturable. With
 TRITON_INTERPRET=1 set before triton is imported, the same kernels run on CPU tensors (the tests).
@@ -597,13 +598,6 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out.view(*gate_up.shape[:-1], inter)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of `gemv` per projection: the fastest of 16 configurations
-# for the Qwen3-8B shape on an H200 (2026-11-29, commit e728955; docs/engine.md, "Fused kernels"). The
-# gate/up projection stays on cuBLAS, which already reads it at about the copy bandwidth: no gemv
-# configuration was clearly faster
-GEMV_CONFIGS = {"qkv": (8, 256, 4, 3), "o": (16, 1024, 8, 3), "down": (8, 512, 8, 3)}
-
-
 def gemv(
     x: Tensor,
     weight: Tensor,
@@ -622,7 +616,7 @@ def gemv(
     n_out, k = weight.shape
     assert x.shape[-1] == (2 * k if silu_mul else k) and x.numel() == x.shape[-1], "gemv takes one row"
     assert weight.stride(-1) == 1 and x.is_contiguous()
-    block_n, block_k, warps, stages = config or GEMV_CONFIGS["o"]
+    block_n, block_k, warps, stages = config or (16, 1024, 8, 3)  # fused.TritonAttention.o_gemv's
     out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x,
@@ -673,12 +667,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return normed.view(residual.shape), res.view(residual.shape)
 
 
-# (BLOCK_N, BLOCK_K, K splits, num_warps, num_stages) of `skinny_linear` for the projections it serves at
-# SKINNY_MIN_ROWS..SKINNY_MAX_ROWS rows. Chosen in whole forwards of the 8B shape on an H200
-# (2026-11-29, commit 108c21a; docs/engine.md, "Fused kernels"): o and gate/up made
-# forwards of 9 to 64 rows faster; q/k/v (with qk_norm_rope_kv summing K splits) and down were faster
-# alone but no faster, or slower, in the forward, so they stay on cuBLAS
-SKINNY_CONFIGS = {"o": (64, 128, 2, 4, 5), "gate_up": (32, 64, 1, 4, 4)}
+# rows skinny_linear serves (fused.TritonAttention / TritonMLP hold its configurations per projection)
 SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 2, 64
 
 
@@ -780,19 +769,6 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
     return tokens, parents, node_depth, valid.bool(), visible
 
 
-# query tokens per sequence up to which `attention` replaces SDPA in the model: every tree width up to
-# B = 255. One-token forwards (decode) use it up to ATTENTION_DECODE_MAX_BATCH sequences: on the 8B
-# shape on an H200 it was faster than SDPA at batch 1 and 16 and slower at batch 64 (2026-11-29, commit
-# e728955; docs/engine.md, "Fused kernels")
-ATTENTION_MAX_TOKENS = 256
-ATTENTION_DECODE_MAX_BATCH = 16
-
-
-def attention_applies(bs: int, T: int) -> bool:
-    """Whether the model's forward of bs sequences x T new tokens uses `attention` (else SDPA)."""
-    return 1 < T <= ATTENTION_MAX_TOKENS or T == 1 and bs <= ATTENTION_DECODE_MAX_BATCH
-
-
 def attention_chunk(bs: int, T: int, row_programs: int) -> int:
     """Key slots per program. Few programs along the rows (bs * KV heads * row blocks) need short
     chunks to fill the GPU; many take long ones, which cut the partial results to merge.
@@ -807,8 +783,8 @@ def attention_chunk(bs: int, T: int, row_programs: int) -> int:
 
 def mask_extent(mask: Tensor) -> Tensor:
     """[bs] int32: one past the last slot any query of each sequence sees, for a [bs, 1, T, span] bool
-    mask with T <= ATTENTION_MAX_TOKENS (broadcast strides are fine). The layers of a forward share
-    one mask, so the model computes this once per forward for kernels.attention."""
+    mask (broadcast strides are fine). The layers of a forward share one mask, so the model computes this
+    once per forward for `attention` (fused.TritonAttention.metadata)."""
     bs, _, T, span = mask.shape
     extent = torch.zeros(bs, dtype=torch.int32, device=mask.device)
     if bs * T * span:

@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..models.layers import Collectives, keep_rows, shard_attention_mlp
 from ..models.llama import Transformer
+from .fused import use_backend
 
 log = logging.getLogger("ddtree.parallel")
 
@@ -53,14 +55,9 @@ class TensorParallel:
 
 
 def check_divisible(cfg, world: int, what: str = "the model") -> None:
-    """Refuse a split that does not divide the model (or drafter) evenly, naming every offending size."""
-    sizes = {
-        "attention heads": cfg.num_attention_heads,
-        "KV heads": cfg.num_key_value_heads,
-        "MLP width": cfg.intermediate_size,
-        "vocabulary": cfg.vocab_size,
-    }
-    bad = [f"{n} {name}" for name, n in sizes.items() if n % world]
+    """Refuse a split that does not divide the model (or drafter) evenly, naming every offending size
+    (the config's split_sizes(): what its family splits over the ranks)."""
+    bad = [f"{n} {name}" for name, n in cfg.split_sizes().items() if n % world]
     if bad:
         raise ValueError(
             f"tensor parallel {world} does not divide {what}: "
@@ -88,39 +85,14 @@ def split(target: Transformer, drafter, rank: int, world: int, replicate_drafter
     return "split"
 
 
-def _keep_rows(p, rank: int, n: int) -> None:
-    p.data = p.data[rank * n : (rank + 1) * n].clone()
-
-
-def _keep_cols(p, rank: int, n: int) -> None:
-    p.data = p.data[:, rank * n : (rank + 1) * n].clone()
-
-
-def _shard_attention_mlp(attn, mlp, tp: TensorParallel, hq: int, hkv: int, inter: int) -> None:
-    """Megatron split of one layer: q/k/v and gate/up by output rows, o/down by input columns."""
-    hd, rank = attn.head_dim, tp.rank
-    for proj, heads in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)):
-        _keep_rows(proj.weight, rank, heads * hd)
-        if proj.bias is not None:
-            _keep_rows(proj.bias, rank, heads * hd)
-    _keep_cols(attn.o_proj.weight, rank, hq * hd)
-    if attn.o_proj.bias is not None and rank > 0:
-        attn.o_proj.bias.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
-    attn.n_heads, attn.n_kv = hq, hkv
-    _keep_rows(mlp.gate_proj.weight, rank, inter)
-    _keep_rows(mlp.up_proj.weight, rank, inter)
-    _keep_cols(mlp.down_proj.weight, rank, inter)
-    attn.tp = mlp.tp = tp
-
-
 @torch.no_grad()
-def shard_drafter(drafter, tp: TensorParallel) -> None:
+def shard_drafter(drafter, tp: Collectives) -> None:
     """Split the drafter's layers like the target's (fc and the norms stay replicated). Its KV cache
     is then sharded by KV heads too; call before setup_caches (the Engine does that)."""
     cfg, world = drafter.config, tp.world
     check_divisible(cfg, world, "the drafter")
     for layer in drafter.layers:
-        _shard_attention_mlp(
+        shard_attention_mlp(
             layer.self_attn,
             layer.mlp,
             tp,
@@ -136,23 +108,15 @@ def shard(model: Transformer, rank: int, world: int) -> Transformer:
     cfg = model.config
     check_divisible(cfg, world)
     tp = TensorParallel(rank, world)
-    model.fuse_off()  # the fused views point at the full weights; the Engine fuses the shards again
-    for layer in model.model.layers:
-        _shard_attention_mlp(
-            layer.self_attn,
-            layer.mlp,
-            tp,
-            cfg.num_attention_heads // world,
-            cfg.num_key_value_heads // world,
-            cfg.intermediate_size // world,
-        )
+    use_backend(model, "reference")  # fused views point at the full weights; the shards are fused again
+    model.shard_layers(tp)  # the family's split of its layers
     vocab = cfg.vocab_size // world
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    _keep_rows(model.model.embed_tokens.weight, rank, vocab)
+    keep_rows(model.model.embed_tokens.weight, rank, vocab)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     else:
-        _keep_rows(model.lm_head.weight, rank, vocab)
+        keep_rows(model.lm_head.weight, rank, vocab)
     model.tp = tp
     return model
 
@@ -276,7 +240,7 @@ class RankFailure(Exception):
     but after this one every later collective would hang or fail, so its engine thread must stop."""
 
 
-ENGINE_CALLS = ("add", "step", "release", "capture_graphs", "smoke")
+ENGINE_CALLS = ("add", "add_many", "step", "release", "capture_graphs", "smoke")
 
 
 def command_group():
@@ -308,16 +272,19 @@ class Leader:
             raise AttributeError(f"Leader has no '{name}' (only {', '.join(ENGINE_CALLS)} run on every rank)")
         return getattr(self.engine, name)
 
-    def add(self, slot: int, prompt: list[int], params) -> int:
-        return self._call("add", slot, list(prompt), params)
+    def add(self, row: int, prompt: list[int], params) -> int:
+        return self._call("add", row, list(prompt), params)
+
+    def add_many(self, rows: list[int], prompts: list[list[int]], params) -> list[int]:
+        return self._call("add_many", list(rows), [list(p) for p in prompts], params)
 
     def step(self, n: int) -> list[list[int]]:
         return self._call("step", n)
 
-    def release(self, slot: int) -> None:
+    def release(self, row: int) -> None:
         if self.failed is not None:  # local bookkeeping only: nobody is listening any more
-            return self.engine.release(slot)
-        return self._call("release", slot)
+            return self.engine.release(row)
+        return self._call("release", row)
 
     def capture_graphs(self, **kwargs) -> float:
         return self._call("capture_graphs", **kwargs)

@@ -52,11 +52,11 @@ def tolerance(dtype: torch.dtype) -> dict:
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
-    """Generate for all prompts at once (slots 0..len-1); return tokens, first-round root max logits
+    """Generate for all prompts at once (rows 0..len-1); return tokens, first-round root max logits
     and per-round acceptance."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    for slot in range(engine.max_batch_size):
-        engine.release(slot)
+    for row in range(engine.max_batch_size):
+        engine.release(row)
     tokens = [[engine.add(i, p, params)] for i, p in enumerate(prompts)]
     first_logits, accepted = None, []
     while min(len(t) for t in tokens) < max_new_tokens:
@@ -65,8 +65,8 @@ def _run(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
             accepted.append(len(emitted))
         if first_logits is None:
             first_logits = engine.node_max_logit[: len(prompts), 0].float().cpu().clone()  # not a view
-    for slot in range(len(prompts)):
-        engine.release(slot)
+    for row in range(len(prompts)):
+        engine.release(row)
     return [t[:max_new_tokens] for t in tokens], first_logits, accepted
 
 
@@ -98,23 +98,22 @@ def run_smoke(
         capture_seconds=graphs.capture_seconds if graphs else 0.0,
     )
 
-    # reference: every prompt alone, eager, under the round plan (budget) of each batch size tested.
-    # Greedy output does not depend on the budget in exact arithmetic, but in bf16 a verify of 129 rows
-    # and one of 9 round differently and can flip a near-tie, which is not what this test looks for.
+    # reference: every prompt alone, eager, under the round plan of each batch size tested (one reference
+    # per budget). Greedy output does not depend on the budget in exact arithmetic, but in bf16 a verify
+    # of 129 rows and one of 9 round differently and can flip a near-tie, which is not what this test
+    # looks for.
     engine.graphs = None
-    policy = engine.budget_policy
+    plans = {engine.plan(b).budget: engine.plan(b) for b in batch_sizes}
     references: dict[int, list] = {}
     try:
-        for budget in sorted({engine.budget_for(b) for b in batch_sizes}):
-            if policy is not None:
-                engine.budget_policy = [(engine.max_batch_size, budget)]
+        for budget, plan in sorted(plans.items()):
             references[budget] = []
-            for p in prompts:
-                tokens, first, _ = _run(engine, [p], max_new_tokens)
-                references[budget].append((tokens[0], first[0]))
+            with engine.pinned_plan(plan):
+                for p in prompts:
+                    tokens, first, _ = _run(engine, [p], max_new_tokens)
+                    references[budget].append((tokens[0], first[0]))
     finally:
         engine.graphs = graphs
-        engine.budget_policy = policy
 
     target, restore = engine.target, None
     if fault == "corrupt-graph-input":
@@ -134,7 +133,7 @@ def run_smoke(
             batch = [prompts[i % len(prompts)] for i in range(b)]
             tokens, first, accepted = _run(engine, batch, max_new_tokens)
             accepted_all += accepted
-            reference = references[engine.budget_for(b)]
+            reference = references[engine.plan(b).budget]
             for i, got in enumerate(tokens):
                 ref_tokens, ref_first = reference[i % len(prompts)]
                 if got != ref_tokens:

@@ -26,8 +26,14 @@ import sys
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
+
+if TYPE_CHECKING:
+    from ..runtime.parallel import Leader
+    from ..runtime.smoke import SmokeReport
+    from .scheduler import Scheduler
 from .protocol import COMPLETION_PATHS, APIError, Sampling, bad_request, chat_messages
 
 log = logging.getLogger("ddtree.server")
@@ -80,15 +86,17 @@ class EngineServer:
         self.metrics = ServerMetrics(self.name)
         self.phase = "loading"  # loading -> capturing -> smoke_test -> ready | failed
         self.reason = ""
-        self.report = None
-        self.engine = self.tokenizer = self.scheduler = None
+        self.report: SmokeReport | None = None
+        self.engine: Any = None  # the Engine, or its parallel.Leader under tensor parallelism
+        self.tokenizer: Any = None
+        self.scheduler: Scheduler | None = None
         self.stop_token_ids: tuple[int, ...] = ()
         self.exit_code = 0
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopped: asyncio.Event | None = None
         self.loader: threading.Thread | None = None
-        self.leader = None  # parallel.Leader when tensor parallel: the engine calls go through it
+        self.leader: Leader | None = None  # when tensor parallel: the engine calls go through it
         self.followers: list = []  # follower processes this process started (not under torchrun)
         self.closing = False
 
@@ -143,7 +151,7 @@ class EngineServer:
             bar.set_postfix_str(f"smoke test (batch sizes {self.smoke_sizes})")
             limit = max(1, max_seq_len - 9)
             prompts = [tokenizer.encode(t)[:limit] for t in SMOKE_TEXTS]
-            extra = {"fault": self.smoke_fault} if self.smoke_fault else {}
+            extra: dict[str, Any] = {"fault": self.smoke_fault} if self.smoke_fault else {}
             smoke = engine.smoke if self.leader is not None else functools.partial(run_smoke, engine)
             report = smoke(self.smoke_sizes, prompts, max_new_tokens=min(8, max_seq_len - limit), **extra)
             bar.update()
@@ -159,8 +167,8 @@ class EngineServer:
             return
         from .scheduler import Scheduler
 
-        for slot in range(engine.max_batch_size):
-            engine.release(slot)
+        for row in range(engine.max_batch_size):
+            engine.release(row)
         self.engine, self.tokenizer, self.report = engine, tokenizer, report
         self.stop_token_ids = stop_ids(tokenizer, target)
         # decoding happens on the engine thread: give it its own tokenizer instance
@@ -170,7 +178,7 @@ class EngineServer:
         self.reason = report.reason
         self.phase = "ready"
         log.info(
-            "%s; ready to serve %s (%s, budget %s, %d slots x %d tokens)",
+            "%s; ready to serve %s (%s, budget %s, %d rows x %d tokens)",
             report.reason,
             self.name,
             config.speculation.method,
@@ -519,7 +527,7 @@ class EngineServer:
                     break
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        except ConnectionError:  # the client went away mid-stream; the caller frees the slot
+        except ConnectionError:  # the client went away mid-stream; the caller frees its engine row
             request["ddtree_status"] = 499
         return resp
 

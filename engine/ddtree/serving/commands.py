@@ -46,14 +46,14 @@ def _tensor_parallel(config: EngineConfig) -> tuple[int, int, bool]:
         if torch.cuda.device_count() < world:
             raise UsageError(f"{flag} {world} needs {world} GPUs, this host has {torch.cuda.device_count()}")
     from ..models.checkpoint import peek_config
-    from ..models.llama import ModelConfig
     from ..models.random import RANDOM_PREFIX, random_config
+    from ..models.registry import config_from_hf
     from ..runtime.parallel import check_divisible
 
     ref, revision = config.model.id, config.model.revision
     model_config = random_config(ref) if ref.startswith(RANDOM_PREFIX) else peek_config(ref, revision)
     if isinstance(model_config, dict):
-        model_config = ModelConfig.from_hf(model_config)
+        model_config = config_from_hf(model_config)
     if model_config is not None:  # otherwise shard() refuses it at load time (a start-up failure)
         check_divisible(model_config, world)  # ValueError: one line, exit 2
     return rank, world, spawn_followers

@@ -50,7 +50,8 @@ async def _bench_one(
     else:
         body["prompt"] = prompt
     t0 = time.perf_counter()
-    ttft, tokens, status = None, 0, 0
+    ttft, tokens = None, 0
+    status: int | str = 0  # the HTTP status, or the exception's name
     try:
         async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body) as r:
             status = r.status

@@ -86,8 +86,8 @@ class ServerMetrics:
             "ddtree_requests", "Completion requests by HTTP status (499: the client disconnected)", ["model", "status"]
         )
 
-        self.requests_running = gauge("ddtree_requests_running", "Requests holding an engine slot")
-        self.requests_waiting = gauge("ddtree_requests_waiting", "Requests queued for a slot")
+        self.requests_running = gauge("ddtree_requests_running", "Requests holding an engine row")
+        self.requests_waiting = gauge("ddtree_requests_waiting", "Requests queued for an engine row")
         self.smoke_test_passed = gauge("ddtree_smoke_test_passed", "1 once the start-up smoke test passed")
         self.graph_capture_seconds = gauge("ddtree_graph_capture_seconds", "Time spent capturing CUDA graphs")
         self.spec_budget = gauge("ddtree_spec_budget", "DDTree node budget B (0 for ar)")

@@ -74,7 +74,7 @@ def get_bool(body: dict, key: str, default: bool = False) -> bool:
 
 def refuse_unsupported(body: dict, chat: bool) -> None:
     """Fields we cannot honour are refused rather than silently ignored (their neutral values pass)."""
-    neutral = {
+    neutral: dict[str, tuple] = {
         "logprobs": (None, False, 0),
         "top_logprobs": (None, 0),
         "echo": (None, False),

@@ -1,19 +1,19 @@
-"""Continuous batching over the slot-based Engine.
+"""Continuous batching over the Engine's batch rows (one running request per row).
 
 One engine thread owns the Engine. Each iteration it
-  1. drops cancelled requests (a disconnected client frees its slot between rounds),
-  2. admits waiting requests into free slots, lowest slot first (eager prefill: `engine.add`),
-  3. runs one round on slots [0, n), n = highest running slot + 1 (`engine.step`),
+  1. drops cancelled requests (a disconnected client frees its row between rounds),
+  2. admits waiting requests into free rows, lowest row first (eager prefill: `engine.add`),
+  3. runs one round on rows [0, n), n = highest running row + 1 (`engine.step`),
   4. truncates each request's tokens at stop tokens, stop strings and max_tokens, detokenizes
      incrementally and hands the new text to the request's sink,
-  5. releases finished slots.
+  5. releases finished rows.
 Requests join and leave only between rounds. The sink is called on the engine thread; the server
 passes one that forwards to an asyncio queue with `loop.call_soon_threadsafe`, so that the event
 loop never waits on torch.
 
-Memory: the engine allocates every slot's KV cache (max_seq_len plus the tree) up front, and a
-request is only accepted when prompt + max_tokens fits its slot, so running requests can never
-need more memory. Beyond the slots there is a bounded waiting queue; a full queue is refused
+Memory: the engine allocates every row's KV cache (max_seq_len plus the tree) up front, and a
+request is only accepted when prompt + max_tokens fits its row, so running requests can never
+need more memory. Beyond the rows there is a bounded waiting queue; a full queue is refused
 (QueueFull -> HTTP 429) instead of growing without bound.
 """
 
@@ -108,7 +108,7 @@ class Request:
         self.sink = sink
         self.cancelled = False
         self.arrival = time.perf_counter()
-        self.slot: int | None = None
+        self.row: int | None = None  # the engine row while admitted
         self.token_ids: list[int] = []
         self.text = ""  # complete text so far (cut at a stop string)
         self.sent = 0  # characters of self.text already handed to the sink
@@ -136,8 +136,8 @@ class Scheduler:
         self.max_waiting = max_waiting
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
-        self._running: dict[int, Request] = {}  # slot -> request; engine thread only
-        self._free = engine.max_batch_size  # slots not claimed by a request (guarded by _cv)
+        self._running: dict[int, Request] = {}  # engine row -> request; engine thread only
+        self._free = engine.max_batch_size  # rows not claimed by a request (guarded by _cv)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.rounds = 0
@@ -162,7 +162,7 @@ class Scheduler:
             if self._stopping or self._thread is None or not self._thread.is_alive():
                 raise NotRunning("the engine is not running")
             if len(self._waiting) >= self.max_waiting + self._free:
-                raise QueueFull(
+                raise QueueFull(  # clients have always read "slots" here: the engine's rows
                     f"{len(self._waiting)} requests are already waiting for one of "
                     f"{self.engine.max_batch_size} slots; retry later"
                 )
@@ -171,7 +171,7 @@ class Scheduler:
             self._cv.notify_all()
 
     def cancel(self, req: Request) -> None:
-        """Abandon a request (its client went away); its slot is freed before the next round."""
+        """Abandon a request (its client went away); its row is freed before the next round."""
         with self._cv:
             if req.cancelled or req.finish_reason is not None:
                 return
@@ -179,7 +179,7 @@ class Scheduler:
             try:
                 self._waiting.remove(req)
                 self.metrics.requests_waiting.set(len(self._waiting))
-            except ValueError:  # running: the engine thread releases its slot before the next round
+            except ValueError:  # running: the engine thread releases its row before the next round
                 self._cv.notify_all()
 
     @property
@@ -220,11 +220,11 @@ class Scheduler:
                     self._cv.wait()
                 if self._stopping:
                     return
-                free = [s for s in range(engine.max_batch_size) if s not in self._running]
+                free = [row for row in range(engine.max_batch_size) if row not in self._running]
                 admits = []
                 while free and self._waiting:
                     req = self._waiting.popleft()
-                    req.slot = free.pop(0)
+                    req.row = free.pop(0)
                     self._free -= 1
                     admits.append(req)
                 self.metrics.requests_waiting.set(len(self._waiting))
@@ -233,7 +233,7 @@ class Scheduler:
                 if req.cancelled:
                     self._finish(req, None)
                 else:
-                    self._admit(req.slot, req)
+                    self._admit(req.row, req)
             self.metrics.requests_running.set(len(self._running))
             busy = bool(admits or self._running)
             if self._running:
@@ -245,19 +245,19 @@ class Scheduler:
     def _update_gauges(self) -> None:
         engine = self.engine
         self.metrics.requests_running.set(len(self._running))
-        used = sum(engine.host_lengths[s] for s in self._running)
+        used = sum(engine.host_lengths[row] for row in self._running)
         self.metrics.kv_cache_usage_ratio.set(used / (engine.max_batch_size * engine.max_seq_len))
 
-    def _admit(self, slot: int, req: Request) -> None:
+    def _admit(self, row: int, req: Request) -> None:
         t0 = time.perf_counter()
         try:
-            first = self.engine.add(slot, req.prompt_ids, req.params)
+            first = self.engine.add(row, req.prompt_ids, req.params)
         except ValueError as exc:  # validated by the server already; kept as a safety net
-            self.engine.release(slot)
+            self.engine.release(row)
             self._error(req, 400, str(exc))
             return
         except RuntimeError as exc:  # out of memory during the prefill, and friends: refuse, keep serving
-            self.engine.release(slot)
+            self.engine.release(row)
             log.warning("prefill failed: %s", exc)
             self._error(req, 503, f"prefill failed: {type(exc).__name__}: {exc}")
             _empty_cache(self.engine)
@@ -267,7 +267,7 @@ class Scheduler:
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self.metrics.time_to_first_token.observe(now - req.arrival)
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
-        self._running[slot] = req
+        self._running[row] = req
         self._deliver(req, [first], now, first=True)
 
     def _round(self) -> None:
@@ -287,10 +287,10 @@ class Scheduler:
         m.engine_step_seconds.observe(now - t0)
         k = len(self._running)
         m.num_drafts.inc(k)
-        m.num_draft_tokens.inc(k * (engine.tree_size_for(n) - 1))
+        m.num_draft_tokens.inc(k * (engine.plan(n).tree_size - 1))
         accepted = 0
-        for slot, req in list(self._running.items()):
-            toks = out[slot]
+        for row, req in list(self._running.items()):
+            toks = out[row]
             accepted += max(0, len(toks) - 1)
             m.acceptance_length.observe(len(toks))
             self._deliver(req, toks, now)
@@ -345,12 +345,12 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str | None) -> None:
         req.finish_reason = reason or "cancelled"
-        slot, req.slot = req.slot, None
-        if slot is None:
+        row, req.row = req.row, None
+        if row is None:
             return
-        if self._running.get(slot) is req:
-            self.engine.release(slot)
-            del self._running[slot]
+        if self._running.get(row) is req:
+            self.engine.release(row)
+            del self._running[row]
         with self._cv:
             self._free += 1
 

@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models.layers import MLP, KVCache, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from ..models.layers import MLP, Collectives, KVCache, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from ..models.llama import ModelConfig
-from ..runtime import kernels
 
 
 class DrafterMismatchError(ValueError):
@@ -52,6 +51,15 @@ class DrafterConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     attention_bias: bool = False
+
+    def split_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
+        return {
+            "attention heads": self.num_attention_heads,
+            "KV heads": self.num_key_value_heads,
+            "MLP width": self.intermediate_size,
+            "vocabulary": self.vocab_size,
+        }
 
     @classmethod
     def for_target(
@@ -162,8 +170,7 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.kv_cache: KVCache | None = None
-        self.tp = None  # parallel.TensorParallel when split (parallel.shard_drafter): o_proj outputs are partial sums
-        self.kernels = False  # Triton norm + RoPE + KV write and attention, see DFlashDrafter.use_kernels()
+        self.tp: Collectives | None = None  # set when split (parallel.shard_drafter): o_proj outputs are partial sums
 
     def _heads(self, proj: nn.Linear, x: Tensor, heads: int) -> Tensor:
         return proj(x).view(*x.shape[:2], heads, self.head_dim)
@@ -172,17 +179,25 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(self._heads(self.k_proj, x, self.n_kv)).transpose(1, 2)
         return apply_rope(k, cos, sin), self._heads(self.v_proj, x, self.n_kv).transpose(1, 2)
 
+    def metadata(self, mask: Tensor) -> Tensor | None:
+        """What the layers of one forward share about its mask (none here; see the Triton attention)."""
+        return None
+
     def append_context(
         self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor, rows: Tensor | None = None
     ) -> None:
-        if self.kernels:  # k norm, RoPE and both cache writes in one kernel (no query heads)
-            k, v = self._heads(self.k_proj, ctx, self.n_kv), self._heads(self.v_proj, ctx, self.n_kv)
-            w = self.k_norm.weight
-            kernels.qk_norm_rope_kv(
-                k[:, :, :0], k, v, *rope_ctx, w, w, self.k_norm.eps, self.kv_cache.k, self.kv_cache.v, rows, ctx_slots
-            )
-        else:
-            self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx), rows)
+        self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx), rows)
+
+    def rotate_and_cache(self, x: Tensor, rope_blk: tuple[Tensor, Tensor], blk_slots: Tensor) -> Tensor:
+        """Write the block's keys and values at its cache slots; returns its queries [bs, heads, T, hd]."""
+        self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
+        return apply_rope(self.q_norm(self._heads(self.q_proj, x, self.n_heads)).transpose(1, 2), *rope_blk)
+
+    def attend(self, q: Tensor, mask: Tensor, meta: Tensor | None) -> Tensor:
+        bs, _, T, _ = q.shape
+        k_all, v_all = self.kv_cache.read(bs, mask.shape[-1])
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        return out.transpose(1, 2).reshape(bs, T, -1)
 
     def forward(
         self,
@@ -193,34 +208,11 @@ class DrafterAttention(nn.Module):
         blk_slots,
         ctx_slots,
         mask,
-        extent: Tensor | None = None,
+        meta: Tensor | None = None,
     ) -> Tensor:
-        bs, T, _ = x.shape
         if ctx is not None:  # append the new context keys/values first
             self.append_context(ctx, rope_ctx, ctx_slots)
-        if self.kernels:  # q/k norms, RoPE and the block's cache writes in one kernel
-            q = kernels.qk_norm_rope_kv(
-                self._heads(self.q_proj, x, self.n_heads),
-                self._heads(self.k_proj, x, self.n_kv),
-                self._heads(self.v_proj, x, self.n_kv),
-                *rope_blk,
-                self.q_norm.weight,
-                self.k_norm.weight,
-                self.q_norm.eps,
-                self.kv_cache.k,
-                self.kv_cache.v,
-                None,
-                blk_slots,
-            )
-            out = kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, None, extent)
-        else:
-            self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
-            q = self.q_norm(self._heads(self.q_proj, x, self.n_heads)).transpose(1, 2)
-            q = apply_rope(q, *rope_blk)
-            k_all, v_all = self.kv_cache.read(bs, mask.shape[-1])
-            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-            out = out.transpose(1, 2).reshape(bs, T, -1)
-        out = self.o_proj(out)
+        out = self.o_proj(self.attend(self.rotate_and_cache(x, rope_blk, blk_slots), mask, meta))
         return self.tp.all_reduce(out) if self.tp else out
 
 
@@ -232,8 +224,8 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, extent=None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, extent)
+    def forward(self, x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -252,12 +244,6 @@ class DFlashDrafter(nn.Module):
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
         self.max_batch = self.max_slots = 0
-
-    def use_kernels(self, on: bool) -> None:
-        """The Triton kernels (CUDA, or CPU under the Triton interpreter) for the q/k norms, RoPE, cache
-        writes and block attention, or the PyTorch path (SDPA)."""
-        for layer in self.layers:
-            layer.self_attn.kernels = on
 
     @property
     def block_size(self) -> int:
@@ -296,13 +282,9 @@ class DFlashDrafter(nn.Module):
             rope_ctx = rope_cos_sin(self.inv_freq, ctx_positions, dtype)
         x = block_embeds
         bs, T, _ = x.shape
-        extent = (
-            kernels.mask_extent(mask.expand(bs, 1, T, mask.shape[-1]))  # shared by the layers
-            if self.layers and self.layers[0].self_attn.kernels
-            else None
-        )
+        meta = self.layers[0].self_attn.metadata(mask.expand(bs, 1, T, mask.shape[-1])) if self.layers else None
         for layer in self.layers:
-            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, mask, extent)
+            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, mask, meta)
         return self.norm(x)
 
     def append_context(

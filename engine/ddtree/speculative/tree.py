@@ -69,7 +69,14 @@ def build_chain(roots: Tensor, draft_logits: Tensor) -> Tree:
     )
 
 
-def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int, kernel: bool = False) -> Tree:
+def top_candidates(draft_logits: Tensor, budget: int) -> tuple[Tensor, Tensor]:
+    """Log-probabilities and ids of each draft row's top K = min(budget, V) tokens, [bs, D, K] each,
+    sorted descending: all a DDTree of `budget` nodes can use."""
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    return logp.topk(min(budget, draft_logits.shape[-1]), dim=-1)
+
+
+def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int) -> Tree:
     """The `budget` most probable prefixes under the factorised draft distribution (paper §4.2).
 
     Exact and tensorised: path scores never increase along a path, so the global top-B set is
@@ -78,19 +85,13 @@ def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int, kernel: bool 
     therefore keeps every node of the answer; a final top-B over all depths recovers it. A stable
     sort breaks score ties in favour of shallower nodes, so a parent always precedes its child.
 
-    kernel=True builds the same set in one Triton launch (kernels.best_first_tree, the paper's
-    heap): about 90 fewer kernels per round at D = 15. Nodes are then in pop order, not depth-major.
+    The Triton build (ddtree.runtime.fused.build_ddtree_triton) makes the same set in one launch.
     """
     bs, depth_max, vocab = draft_logits.shape
     dev = draft_logits.device
     b = budget
     k = min(b, vocab)
-    logp = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_lp, top_tok = logp.topk(k, dim=-1)  # [bs, D, K], sorted descending
-    if kernel:
-        from ..runtime.kernels import best_first_tree
-
-        return Tree(*best_first_tree(roots, top_lp, top_tok, budget))
+    top_lp, top_tok = top_candidates(draft_logits, budget)
 
     neg_inf = torch.full((bs, b), float("-inf"), device=dev)
     scores, parent_slot, tokens = [], [], []

@@ -6,7 +6,7 @@ import copy
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -16,10 +16,7 @@ from ..speculative.drafter import (
     DrafterConfig,
 )
 from .data import TokenData
-
-if TYPE_CHECKING:
-    from .loop import TrainResult
-    from .recipe import TrainConfig
+from .recipe import TrainConfig, TrainResult
 
 
 def relative_to(path: str | None, out: Path) -> str | None:
@@ -56,7 +53,7 @@ def measure_acceptance(
     stops = tuple(data.manifest.get("stop_token_ids", ()))
     sp = SamplingParams(max_new_tokens=cfg.final_eval_tokens, stop_token_ids=stops)
     max_seq = max(len(p) for p in prompts) + cfg.final_eval_tokens
-    out = {"prompts": len(prompts), "max_new_tokens": cfg.final_eval_tokens}
+    out: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": cfg.final_eval_tokens}
     ref = None
     for method, budget in (("ar", None), ("dflash", None), ("ddtree", cfg.final_eval_budget)):
         eng = make_engine(

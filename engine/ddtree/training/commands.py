@@ -207,13 +207,13 @@ def cmd_init_drafter(args) -> int:
     import torch
 
     from ..models.checkpoint import load_config, resolve_model
-    from ..models.llama import ModelConfig
+    from ..models.registry import config_from_hf
 
     if args.layers < 1:
         raise _usage(f"--layers must be >= 1, got {args.layers}")
     if args.block_size < 2:
         raise _usage(f"--block-size must be >= 2, got {args.block_size}")
-    target_cfg = ModelConfig.from_hf(load_config(resolve_model(args.target)))
+    target_cfg = config_from_hf(load_config(resolve_model(args.target)))
     cfg = DrafterConfig.for_target(
         target_cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=args.mask_token_id
     )

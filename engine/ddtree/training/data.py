@@ -67,7 +67,7 @@ def stdlib_files() -> list[Path]:
     """The standard library's .py files, without its test suites and the bundled site-packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "site-packages", "dist-packages", "idle_test", "__pycache__", "lib2to3"}
-    out = []
+    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
         out.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
@@ -246,7 +246,8 @@ class PromptCutter:
         self.min_tokens, self.max_tokens = min_tokens, max_tokens
         self.cache: dict[int, SourceText | None] = {}
         self.weights = [min(f.stat().st_size, 200_000) for f in files]  # favour bigger files, capped
-        self._lines_text, self._lines = None, [0]  # line starts of the last text (a reference, not an id)
+        self._lines_text: str | None = None
+        self._lines = [0]  # line starts of the last text (a reference, not an id)
         self._cum: dict[int, tuple[list[int], list[int]]] = {}
 
     def source(self, i: int) -> SourceText | None:
@@ -368,42 +369,7 @@ def cut_prompts(
     return prompts
 
 
-# ---- batched generation with the target -------------------------------------------------------
-
-
-class _GreedyDecodeGraph:
-    """One CUDA graph of a greedy decode step for a batch of n sequences over a fixed span of S cache
-    slots: writes the token's K/V at `slot`, attends over the slots `mask` shows, returns the argmax.
-    Static shapes, so one capture serves every step of every batch of that size."""
-
-    def __init__(self, target, n: int, span: int, dev):
-        self.target = target
-        self.tok = torch.zeros(n, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(n, 1, dtype=torch.long, device=dev)
-        self.slot = torch.full((n, 1), target.trash_slot, dtype=torch.long, device=dev)  # warmup writes go to trash
-        self.mask = torch.zeros(n, 1, 1, span, dtype=torch.bool, device=dev)
-        self.mask[..., 0] = True
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._step()
-
-    def _step(self) -> Tensor:
-        logits, _ = self.target(self.tok, self.pos, self.slot, self.mask)
-        return logits[:, -1].argmax(-1)
-
-    def __call__(self, tok: Tensor, pos: Tensor, slot: int, visible: Tensor) -> Tensor:
-        self.tok.copy_(tok[:, None])
-        self.pos.copy_(pos[:, None])
-        self.slot.fill_(slot)
-        self.mask[:, 0, 0].copy_(visible)
-        self.graph.replay()
-        return self.out.clone()
+# ---- the target's continuations ------------------------------------------------------------------
 
 
 @torch.inference_mode()
@@ -421,77 +387,94 @@ def generate_continuations(
 ) -> list[list[int]]:
     """The target's continuation of every prompt, cut after the first stop token.
 
-    Batched and left-padded: sequence i of a batch with longest prompt P occupies cache slots
-    [P - len_i, P + t), its RoPE positions start at 0, and its mask hides the padding slots, so each
-    continuation equals what plain batch-1 decoding gives (greedy; a test checks it against Engine).
-    On CUDA, greedy decode steps replay a CUDA graph (one per batch size) over the full cache span;
-    `cuda_graphs=False` or any capture failure falls back to eager steps over the used span."""
+    Plain decoding with the serving engine (`Engine(target, None, "ar")`) on `batch_size` rows, batched
+    continuously: waiting prompts join free rows between rounds, prefilled together (prompts sorted by
+    length, so that the rows of a round hold similar lengths), and leave them at a stop token or
+    max_new_tokens, so each continuation is what `Engine.generate` gives for that prompt. Greedy, or
+    sampled (temperature, top_p) from the engine's one generator, seeded with `seed`. On CUDA the rounds
+    replay the engine's CUDA graphs (`Engine.capture_graphs`); `cuda_graphs=False`, or a capture that
+    fails, decodes eagerly, as on the CPU."""
     from tqdm.auto import tqdm
 
-    from ..speculative.verify import decide
+    from ..runtime.engine import Engine, SamplingParams
+    from ..runtime.fused import use_backend
 
-    dev = target.lm_head.weight.device
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))  # similar lengths together
-    out: list[list[int]] = [[] for _ in prompts]
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=dev)
+    if not prompts:
+        return []
+    backend = target.backend  # the Engine swaps fused modules in; training gets the target back as it came
+    rows = min(batch_size, len(prompts))
+    longest = max(len(p) for p in prompts)
+    engine = Engine(target, None, "ar", max_batch_size=rows, max_seq_len=longest + max_new_tokens)
+    params = SamplingParams(max_new_tokens, temperature, top_p, stop_token_ids=tuple(stop_token_ids))
     bar = tqdm(total=len(prompts), desc="generating", unit="seq", disable=not progress, dynamic_ncols=True)
-    n_tokens, t0 = 0, time.perf_counter()
-    S = max(len(p) for p in prompts) + max_new_tokens
-    target.setup_caches(min(batch_size, len(prompts)), S)
-    use_graphs = cuda_graphs and dev.type == "cuda" and temperature == 0
-    graphs: dict[int, _GreedyDecodeGraph] = {}
-    cols = torch.arange(S, device=dev)
-    for b0 in range(0, len(order), batch_size):
-        idx = order[b0 : b0 + batch_size]
-        n = len(idx)
-        lens = torch.tensor([len(prompts[i]) for i in idx], device=dev)
-        P = int(lens.max())
-        pad = P - lens
-        if use_graphs and n not in graphs:
+    try:
+        if cuda_graphs and engine.device.type == "cuda":
+            # rounds run on nearly all rows until the queue drains: the tail uses the small buckets
+            buckets = sorted({max(1, rows >> k) for k in range(4)})
             try:
-                graphs[n] = _GreedyDecodeGraph(target, n, S, dev)
+                engine.capture_graphs(buckets, sampling=(temperature > 0,))
             except Exception as exc:  # noqa: BLE001 - eager decoding is always correct
                 bar.write(f"CUDA graph capture failed ({type(exc).__name__}: {exc}); decoding eagerly")
-                use_graphs = False
-        tokens = torch.zeros(n, P, dtype=torch.long, device=dev)
-        for r, i in enumerate(idx):
-            tokens[r, P - len(prompts[i]) :] = torch.tensor(prompts[i], device=dev)
-        key_ok = cols[None] >= pad[:, None]  # [n, S]: padding slots are never visible
-        slots = cols[:P].expand(n, P)
-        positions = (slots - pad[:, None]).clamp(min=0)
-        causal = cols[:P, None] >= cols[None, :P]
-        mask = (causal[None] & key_ok[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
-        temp = torch.full((n,), float(temperature), device=dev)
-        tp = torch.full((n,), float(top_p), device=dev)
-        hidden, _ = target(tokens, positions, slots, mask[:, None], logits=False)
-        nxt = decide(target.lm_head(hidden[:, -1:]), temp, tp, gen, temperature > 0)[:, 0]
-        result = torch.empty(n, max_new_tokens, dtype=torch.long, device=dev)
-        done = torch.zeros(n, dtype=torch.bool, device=dev)
-        for t in range(max_new_tokens):
-            result[:, t] = nxt
-            done |= torch.isin(nxt, stops)
-            if t == max_new_tokens - 1 or (t % 16 == 15 and bool(done.all())):
-                result = result[:, : t + 1]
-                break
-            if use_graphs:
-                nxt = graphs[n](nxt, lens + t, P + t, key_ok & (cols <= P + t))
-                continue
-            span = P + t + 1
-            m = key_ok[:, None, None, :span]
-            logits, _ = target(nxt[:, None], (lens + t)[:, None], torch.full((n, 1), P + t, device=dev), m)
-            nxt = decide(logits, temp, tp, gen, temperature > 0)[:, 0]
-        stop_set = set(stop_token_ids)
-        for r, row in enumerate(result.tolist()):
-            for k, tok in enumerate(row):
-                if tok in stop_set:
-                    row = row[: k + 1]
-                    break
-            out[idx[r]] = row
-            n_tokens += len(row) + len(prompts[idx[r]])
-        bar.update(n)
-        bar.set_postfix(tok_s=f"{n_tokens / max(1e-9, time.perf_counter() - t0):.0f}")
-    bar.close()
+                engine.graphs = None
+                for row in range(rows):
+                    engine.release(row)
+        engine.generator.manual_seed(seed)
+        return _continue_all(engine, prompts, params, bar)
+    finally:
+        engine.graphs = None  # the graphs refer to the engine: free their memory pool now, not at the next gc
+        if target.backend != backend:
+            use_backend(target, backend)
+        bar.close()
+
+
+def _continue_all(engine, prompts: list[list[int]], params, bar, prefill_tokens: int = 16384) -> list[list[int]]:
+    """Continue every prompt on the engine's rows, batched continuously: between rounds, waiting prompts
+    join the lowest free rows (prefilled together, `Engine.add_many`, at most `prefill_tokens` prompt
+    tokens a forward) once an eighth of the rows is free, or the rest of the queue fits, or nothing runs
+    (a prefill costs about as much as a few rounds); a row is released at its first stop token or
+    max_new_tokens."""
+    from collections import deque
+
+    waiting = deque(sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i)))  # similar lengths together
+    running: dict[int, int] = {}  # engine row -> prompt index
+    out: list[list[int]] = [[] for _ in prompts]
+    stops = frozenset(params.stop_token_ids)
+    rows = engine.max_batch_size
+    n_tokens, t0 = 0, time.perf_counter()
+
+    def emit(row: int, toks: list[int]) -> bool:
+        """Append a row's new tokens; at a stop token or max_new_tokens, release the row and say so."""
+        nonlocal n_tokens
+        i = running[row]
+        seq = out[i]
+        for t in toks:
+            seq.append(t)
+            if t in stops or len(seq) >= params.max_new_tokens:
+                engine.release(row)
+                del running[row]
+                n_tokens += len(seq) + len(prompts[i])
+                return True
+        return False
+
+    while waiting or running:
+        done = 0
+        free = [row for row in range(rows) if row not in running] if waiting else []
+        if free and (not running or len(free) >= min(len(waiting), max(1, rows // 8))):
+            admit = free[: len(waiting)]
+            for row in admit:
+                running[row] = waiting.popleft()
+            chunk = max(1, prefill_tokens // max(len(prompts[running[row]]) for row in admit))
+            for c in range(0, len(admit), chunk):
+                group = admit[c : c + chunk]
+                firsts = engine.add_many(group, [prompts[running[row]] for row in group], params)
+                done += sum(emit(row, [first]) for row, first in zip(group, firsts))
+        if running:
+            for row, toks in enumerate(engine.step(max(running) + 1)):
+                if toks:
+                    done += emit(row, toks)
+        if done:
+            bar.update(done)
+            bar.set_postfix(tok_s=f"{n_tokens / max(1e-9, time.perf_counter() - t0):.0f}", refresh=False)
     return out
 
 

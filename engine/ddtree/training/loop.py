@@ -7,7 +7,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from .recipe import (
     Batch,
     Sampler,
     TrainConfig,
+    TrainResult,
     block_loss,
     copy_target_layers,
     make_drafter_config,
@@ -109,17 +110,6 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 # ---- the training loop ----------------------------------------------------------------------------
-
-
-@dataclass
-class TrainResult:
-    out_dir: Path
-    step: int
-    losses: list[float] = field(default_factory=list)  # per step of this run
-    acc_lens: list[float] = field(default_factory=list)
-    eval: dict = field(default_factory=dict)  # last held-out evaluation
-    final_eval: dict = field(default_factory=dict)  # real Engine acceptance lengths
-    stopped: str = "steps"  # steps / time / interrupted / until
 
 
 def train_drafter(

@@ -18,7 +18,8 @@ The target (embedding and LM head included) is frozen; only the drafter's own we
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -353,3 +354,14 @@ def block_loss(
         "acc_sum": accepted[valid].sum().detach(),
         "anchors": int(valid.sum()),
     }
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    step: int
+    losses: list[float] = field(default_factory=list)  # per step of this run
+    acc_lens: list[float] = field(default_factory=list)
+    eval: dict = field(default_factory=dict)  # last held-out evaluation
+    final_eval: dict = field(default_factory=dict)  # real Engine acceptance lengths
+    stopped: str = "steps"  # steps / time / interrupted / until

@@ -1,0 +1,302 @@
+"""Fused modules for inference, swapped in once at load in place of the reference ones.
+
+The model families (ddtree.models) and the drafter are branch-free reference forwards. Inference runs one
+of two backends, chosen once per model by `use_backend`:
+
+- "torch": q/k/v and gate/up as one GEMM each (the weights become views into one concatenated tensor, so
+  parameter names and state dicts stay Hugging Face's and no memory is duplicated); the rest as the
+  reference.
+- "triton": the same GEMMs plus the Triton kernels of ddtree.runtime.kernels: q/k norm + RoPE + cache
+  write in one kernel, tree attention, each residual add fused with the RMSNorm after it, and per shape
+  bucket GEMV (one row) or skinny GEMMs (2-64 rows) for some projections. The shape buckets are data on
+  the modules below (class attributes), measured on an H200 (docs/engine.md, "Fused kernels").
+
+A swapped module keeps its parameters; moving or casting a model (Module.to) re-creates them, so a fused
+module then turns back into its reference class, and the next Engine swaps it in again.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..models.layers import MLP, RMSNorm, concat_views
+from ..models.llama import Attention, DecoderLayer, Transformer
+from ..speculative.drafter import DFlashDrafter, DrafterAttention
+from ..speculative.tree import Tree, build_ddtree, top_candidates
+from . import kernels
+
+BACKENDS = ("reference", "torch", "triton")
+
+
+class _Swapped(nn.Module):
+    """A module class swapped in for `reference` (its base class) by `swap`: reverts on moves."""
+
+    reference: type[nn.Module]
+
+    def adopt(self) -> None:
+        """Set up what the fused forward needs from the reference module's parameters."""
+
+    def drop(self) -> None:
+        """Forget what adopt() set up."""
+
+    def _apply(self, fn, recurse=True):
+        self.drop()
+        self.__class__ = self.reference
+        return self._apply(fn, recurse)  # the reference class's
+
+
+def swap(module: nn.Module, cls: type[nn.Module]) -> None:
+    """Turn `module` into an instance of `cls` (its reference class, or a _Swapped subclass of it),
+    keeping its parameters."""
+    if isinstance(module, _Swapped):
+        module.drop()
+        _set_class(module, module.reference)
+    if issubclass(cls, _Swapped):
+        _set_class(module, cls)
+        cast(_Swapped, module).adopt()
+
+
+def _set_class(module: nn.Module, cls: type[nn.Module]) -> None:
+    module.__class__ = cls
+
+
+# ---- the target ----------------------------------------------------------------------------------
+
+
+class FusedAttention(_Swapped, Attention):
+    """q, k and v from one GEMM."""
+
+    reference = Attention
+    wqkv: Tensor | None = None
+    bqkv: Tensor | None = None
+
+    def adopt(self) -> None:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.wqkv = concat_views([p.weight for p in projs])
+        self.bqkv = concat_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
+
+    def drop(self) -> None:
+        self.wqkv = self.bqkv = None
+
+    def qkv(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.wqkv, self.bqkv)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        bs, T, _ = x.shape
+        sizes = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
+        q, k, v = self.qkv(x).split(sizes, dim=-1)
+        return (
+            q.view(bs, T, self.n_heads, self.head_dim),
+            k.view(bs, T, self.n_kv, self.head_dim),
+            v.view(bs, T, self.n_kv, self.head_dim),
+        )
+
+
+class TritonAttention(FusedAttention):
+    """The Triton path of attention. Shape buckets (measured on the Qwen3-8B shape on an H200,
+    2026-11-29, commits e728955 and 108c21a; docs/engine.md, "Fused kernels"):
+    - one row (a batch-1 decode step): q/k/v and o as GEMVs, (BLOCK_N, BLOCK_K, warps, stages) below;
+    - 2-64 rows: o as a skinny GEMM whose K-split partial sums the next add_rms_norm adds up
+      (BLOCK_N, BLOCK_K, K splits, warps, stages), when it divides the weight; q/k/v stay on cuBLAS;
+    - tree attention for 2..max_tokens query tokens per sequence (every tree up to B = 255), and for
+      one-token steps of up to decode_max_batch sequences (faster than SDPA at batch 1 and 16, slower
+      at 64); SDPA otherwise."""
+
+    qkv_gemv = (8, 256, 4, 3)
+    o_gemv = (16, 1024, 8, 3)
+    o_skinny: tuple[int, int, int, int, int] | None = (64, 128, 2, 4, 5)
+    max_tokens = 256
+    decode_max_batch = 16
+
+    def uses_tree_attention(self, bs: int, T: int) -> bool:
+        return 1 < T <= self.max_tokens or (T == 1 and bs <= self.decode_max_batch)
+
+    def metadata(self, mask: Tensor) -> Tensor | None:
+        bs, _, T, _ = mask.shape
+        return kernels.mask_extent(mask) if self.uses_tree_attention(bs, T) else None
+
+    def qkv(self, x: Tensor) -> Tensor:
+        if x.shape[0] * x.shape[1] == 1:
+            return kernels.gemv(x, self.wqkv, self.bqkv, config=self.qkv_gemv)
+        return F.linear(x, self.wqkv, self.bqkv)
+
+    def rotate_and_cache(
+        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, rows: Tensor | None
+    ) -> Tensor:
+        q_norm, k_norm = self.q_norm, self.k_norm
+        norms = (
+            (q_norm.weight, k_norm.weight, q_norm.eps)
+            if isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm)
+            else (None, None, 0.0)
+        )
+        return kernels.qk_norm_rope_kv(
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            *norms,
+            self.kv_cache.k,
+            self.kv_cache.v,
+            rows,
+            slots,
+        )
+
+    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
+        bs, _, T, _ = q.shape
+        if self.uses_tree_attention(bs, T):
+            return kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, rows, meta)
+        return super().attend(q, mask, rows, meta)
+
+    def output(self, out: Tensor) -> Tensor:
+        rows, w = out.shape[0] * out.shape[1], self.o_proj.weight
+        if rows == 1:
+            out = kernels.gemv(out, w, self.o_proj.bias, config=self.o_gemv)
+        elif (
+            self.tp is None  # the all-reduce takes one tensor, not K-split parts
+            and self.o_proj.bias is None
+            and kernels.skinny_applies(rows, w.shape[0], w.shape[1], self.o_skinny, out.dtype)
+        ):
+            return kernels.skinny_linear(out, w, self.o_skinny)  # [splits, bs, T, hidden]: add_rms_norm sums
+        else:
+            out = self.o_proj(out)
+        return self.tp.all_reduce(out) if self.tp else out
+
+
+class FusedMLP(_Swapped, MLP):
+    """gate and up from one GEMM."""
+
+    reference = MLP
+    w_gate_up: Tensor | None = None
+
+    def adopt(self) -> None:
+        self.w_gate_up = concat_views([self.gate_proj.weight, self.up_proj.weight])
+
+    def drop(self) -> None:
+        self.w_gate_up = None
+
+    def activate(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonMLP(FusedMLP):
+    """The Triton path of the MLP (shape buckets as in TritonAttention): one row: down as a GEMV that
+    applies silu(gate) * up on the fly; 2-64 rows: gate/up as a skinny GEMM with silu_mul in its epilogue;
+    otherwise cuBLAS and the silu_mul kernel."""
+
+    down_gemv = (8, 512, 8, 3)
+    gate_up_skinny: tuple[int, int, int, int, int] | None = (32, 64, 1, 4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows, inter = x.numel() // x.shape[-1], self.down_proj.weight.shape[1]
+        if rows == 1:
+            out = kernels.gemv(F.linear(x, self.w_gate_up), self.down_proj.weight, silu_mul=True, config=self.down_gemv)
+        elif kernels.skinny_applies(rows, inter, x.shape[-1], self.gate_up_skinny, x.dtype):
+            out = self.down_proj(kernels.skinny_linear(x, self.w_gate_up, self.gate_up_skinny, gate_up=True))
+        else:
+            out = self.down_proj(kernels.silu_mul(F.linear(x, self.w_gate_up)))
+        return self.tp.all_reduce(out) if self.tp else out
+
+
+class TritonDecoderLayer(_Swapped, DecoderLayer):
+    """Each residual add fused with the RMSNorm after it (this layer's post-attention norm, then the next
+    layer's input norm or the final norm). Attention and MLP outputs arrive already all-reduced under
+    tensor parallelism, before the add, as in the reference."""
+
+    reference = DecoderLayer
+
+    def forward(self, x, h, next_norm, cos, sin, slots, mask, rows, meta):
+        post = self.post_attention_layernorm
+        h, x = kernels.add_rms_norm(self.self_attn(h, cos, sin, slots, mask, rows, meta), x, post.weight, post.eps)
+        h, x = kernels.add_rms_norm(self.mlp(h), x, next_norm.weight, next_norm.eps)
+        return x, h
+
+
+SWAPS: dict[str, dict[type[nn.Module], type[nn.Module]]] = {  # backend -> {reference class: its fused class}
+    "reference": {},
+    "torch": {Attention: FusedAttention, MLP: FusedMLP},
+    "triton": {Attention: TritonAttention, MLP: TritonMLP, DecoderLayer: TritonDecoderLayer},
+}
+
+
+def use_backend(model: Transformer, backend: str) -> None:
+    """Swap the target's modules for `backend`'s (see the module docstring), whatever its family: every
+    module whose reference class has a fused counterpart; calling it again switches."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+    if backend == "triton" and not kernels.available(model.lm_head.weight.device):
+        raise RuntimeError(
+            f"Triton kernels need triton and a CUDA device (model is on "
+            f"{model.lm_head.weight.device}; on CPU only under TRITON_INTERPRET=1)"
+        )
+    table = SWAPS[backend]
+    for module in list(model.modules()):
+        reference = module.reference if isinstance(module, _Swapped) else type(module)
+        swap(module, table.get(reference, reference))
+    model.backend = backend
+
+
+# ---- the drafter ---------------------------------------------------------------------------------
+
+
+class TritonDrafterAttention(_Swapped, DrafterAttention):
+    """q/k norms, RoPE and cache writes in one kernel, and tree attention over the block."""
+
+    reference = DrafterAttention
+
+    def metadata(self, mask: Tensor) -> Tensor | None:
+        return kernels.mask_extent(mask)
+
+    def append_context(
+        self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor, rows: Tensor | None = None
+    ) -> None:
+        k, v = self._heads(self.k_proj, ctx, self.n_kv), self._heads(self.v_proj, ctx, self.n_kv)
+        w = self.k_norm.weight  # k only: no query heads
+        kernels.qk_norm_rope_kv(
+            k[:, :, :0], k, v, *rope_ctx, w, w, self.k_norm.eps, self.kv_cache.k, self.kv_cache.v, rows, ctx_slots
+        )
+
+    def rotate_and_cache(self, x: Tensor, rope_blk: tuple[Tensor, Tensor], blk_slots: Tensor) -> Tensor:
+        return kernels.qk_norm_rope_kv(
+            self._heads(self.q_proj, x, self.n_heads),
+            self._heads(self.k_proj, x, self.n_kv),
+            self._heads(self.v_proj, x, self.n_kv),
+            *rope_blk,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            self.kv_cache.k,
+            self.kv_cache.v,
+            None,
+            blk_slots,
+        )
+
+    def attend(self, q: Tensor, mask: Tensor, meta: Tensor | None) -> Tensor:
+        return kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, None, meta)
+
+
+def use_drafter_backend(drafter: DFlashDrafter, backend: str) -> None:
+    """The drafter's Triton path ("triton"), or its reference one (any other backend: its q/k/v stay
+    three GEMMs, which are small next to the target's)."""
+    cls = TritonDrafterAttention if backend == "triton" else DrafterAttention
+    for layer in drafter.layers:
+        swap(layer.self_attn, cls)
+
+
+# ---- the tree ------------------------------------------------------------------------------------
+
+
+def build_ddtree_triton(roots: Tensor, draft_logits: Tensor, budget: int) -> Tree:
+    """build_ddtree's set in one Triton launch (kernels.best_first_tree, the paper's heap): about 90
+    fewer kernels per round at D = 15. Nodes are in pop order, not depth-major."""
+    top_lp, top_tok = top_candidates(draft_logits, budget)
+    return Tree(*kernels.best_first_tree(roots, top_lp, top_tok, budget))
+
+
+def tree_builder(backend: str):
+    """The DDTree builder of a backend."""
+    return build_ddtree_triton if backend == "triton" else build_ddtree
