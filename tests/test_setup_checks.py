@@ -149,7 +149,7 @@ def test_builtin_model_downloads_into_a_relative_cache_from_another_directory(tm
     # Resolved once: after a chdir the same cache, with the model already in it (no second download).
     probe = (
         "import os, sys\n"
-        "from ddtree import loading\n"
+        "from ddtree.models import checkpoint as loading\n"
         "first = loading.cache_dir()\n"
         "os.chdir(sys.argv[1])\n"
         "print(first, loading.cache_dir(), loading.resolve_model('smollm2-135m-instruct', progress=False))\n"
