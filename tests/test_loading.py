@@ -1,4 +1,5 @@
-"""Tests for ddtree.loading: GGUF conversion, safetensors loading and model reference resolution."""
+"""Tests for ddtree.models.checkpoint and ddtree.models.gguf: GGUF conversion, safetensors loading and
+model reference resolution."""
 
 import math
 import shutil

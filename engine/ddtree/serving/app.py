@@ -1,8 +1,8 @@
 """`ddtree serve`: an OpenAI-compatible HTTP server with continuous batching.
 
 Start-up: the HTTP server binds first (so /health answers while weights load), then a background
-thread loads the weights, captures CUDA graphs (on a GPU), runs the smoke test (ddtree.smoke) and,
-when it passes, starts the scheduler (ddtree.scheduler) and flips /ready to 200. When the smoke test
+thread loads the weights, captures CUDA graphs (on a GPU), runs the smoke test (ddtree.runtime.smoke) and,
+when it passes, starts the scheduler (ddtree.serving.scheduler) and flips /ready to 200. When the smoke test
 (or loading) fails, the reason goes to the termination log and the process exits with status 1.
 
 Tensor parallelism (--tensor-parallel N, or N torchrun processes): this process is rank 0 and runs
