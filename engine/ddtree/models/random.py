@@ -7,60 +7,76 @@ from typing import Any
 
 import torch
 
-from .llama import ModelConfig, Transformer
+from .registry import config_from_hf, family_for
 
 RANDOM_PREFIX = "random:"
+# config.json dicts (Hugging Face names) of the shapes `random:SHAPE` builds, through the model registry
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     # Qwen3-8B: 36 layers, hidden 4096, 32 q / 8 kv heads of 128, MLP 12288, vocab 151936
-    "qwen3-8b": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        rope_theta=1e6,
-        qk_norm=True,
-        model_type="qwen3",
-        max_position_embeddings=40960,
-    ),
+    "qwen3-8b": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+    },
     # a small shape for quick checks
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
+    "tiny": {
+        "model_type": "llama",
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+    },
 }
 
 
-def random_config(ref: str, **overrides):
-    """The ModelConfig of `random:SHAPE` (ValueError naming the known shapes otherwise)."""
+def random_hf_config(ref: str, **overrides) -> dict[str, Any]:
+    """The config.json dict of `random:SHAPE` (or SHAPE) with `overrides` (ValueError naming the known
+    shapes for an unknown one)."""
     shape = ref.removeprefix(RANDOM_PREFIX)
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random shape '{shape}' (known: {', '.join(RANDOM_SHAPES)})")
-    return ModelConfig(**{**RANDOM_SHAPES[shape], **overrides})
+    return {**RANDOM_SHAPES[shape], **overrides}
+
+
+def random_config(ref: str, **overrides):
+    """The model config of `random:SHAPE`, in its family's class."""
+    return config_from_hf(random_hf_config(ref, **overrides))
 
 
 @torch.no_grad()
 def random_model(shape: str, device, dtype, seed: int = 0, **overrides):
-    """A target of a known shape with random weights, generated on `device`; the same seed gives the
-    same weights on every device, so tensor-parallel ranks agree.
+    """A target of a known shape with random weights, generated on `device` in `dtype` (no fp32 copy
+    first: a shape may fill most of the device); the same seed gives the same weights on every device,
+    so tensor-parallel ranks agree.
 
     Cost is all that is real here, but the greedy choice must be stable: bf16 runs that batch
     differently (graphs against eager in the smoke test) flip near-ties, and plain std-0.02 weights
     give a near-tie at most steps. So the embedding (std 1) dominates the residual stream (the output
     projections are scaled by 1/sqrt(2 x layers), as in GPT-2) and the LM head is a copy of the
     embedding: the next token repeats the last one with a wide margin."""
-    cfg = random_config(shape, **overrides)
+    hf = random_hf_config(shape, **overrides)
+    family = family_for(hf).load()
+    cfg = family.ModelConfig.from_hf(hf)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Transformer(cfg).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = family.Transformer(cfg)
+    finally:
+        torch.set_default_dtype(default)
     residual_std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
