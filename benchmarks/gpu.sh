@@ -10,6 +10,9 @@
 # smollm2    SmolLM2-135M-Instruct with the shipped drafter: tokens/s and acceptance by batch size
 # serve      `ddtree serve` + `ddtree bench-serve` at 1..64 clients for ar, dflash and ddtree
 # gpu-tests  the tests marked gpu
+# moe        (not in the default set) mixtures of experts: the verify tax (forwards of 1..65 tokens at
+#            batch 1/8/32 against the active-expert HBM bound) and whole rounds with the budget
+#            recommendation, on Qwen3-30B-A3B and a 3-layer cut of Kimi K2.6 (random bf16 weights)
 # kernels    (not in the default set) the Triton kernels against the PyTorch path in one process: the
 #            8B shape's forwards, logit differences and whole rounds, for kernel work before and after
 #
@@ -17,14 +20,14 @@
 # DDTREE_SMOLLM2_GGUF at a copy of its GGUF (see benchmarks/README.md). host.json records the commit
 # (DDTREE_BENCH_COMMIT where the tree is not a git checkout), date, GPU and torch version.
 set -euo pipefail
-OUT_DIR=$(realpath -m "${1:?usage: $0 OUT_DIR [micro|rounds|smollm2|serve|gpu-tests|kernels ...]}")
+OUT_DIR=$(realpath -m "${1:?usage: $0 OUT_DIR [micro|rounds|smollm2|serve|gpu-tests|kernels|moe ...]}")
 shift
 PARTS=("$@")
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
 for part in "${PARTS[@]}"; do
   case $part in
-    micro|rounds|smollm2|serve|gpu-tests|kernels) ;;
-    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests, kernels)" >&2; exit 2 ;;
+    micro|rounds|smollm2|serve|gpu-tests|kernels|moe) ;;
+    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests, kernels, moe)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -49,6 +52,12 @@ for part in "${PARTS[@]}"; do
       log "micro: target forwards against the HBM bound; capture of every bucket"
       ddtree bench --model random:qwen3-8b --drafter random:5 --micro --capture-all --kernels triton \
         --methods "" --batch-sizes 1 --graphs on --out "$OUT_DIR/micro" ;;
+    moe)
+      for shape in qwen3-30b-a3b kimi-k2.6-3layers; do
+        log "moe: $shape, the verify tax and rounds"
+        ddtree bench --model "random:$shape" --drafter random:1 --micro --kernels triton --methods ar,ddtree \
+          --budgets 8,16,32 --batch-sizes 1,8,32 --graphs on --rounds 8 --out "$OUT_DIR/moe-$shape"
+      done ;;
     rounds)
       log "rounds: ar / dflash / ddtree by budget and batch size, 8B shape"
       ddtree bench --model random:qwen3-8b --drafter random:5 --kernels triton --methods ar,dflash,ddtree \

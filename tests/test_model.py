@@ -83,7 +83,8 @@ def test_the_registry_maps_model_types_to_families_and_refuses_others():
     from ddtree.models import llama
     from ddtree.models.registry import config_from_hf, family_for
 
-    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2' \(supported: llama, mistral, qwen2, qwen3\)"):
+    supported = "deepseek_v3, kimi_k2, kimi_k25, llama, mistral, qwen2, qwen3, qwen3_moe"
+    with pytest.raises(ValueError, match=rf"unsupported model_type 'gpt2' \(supported: {supported}\)"):
         config_from_hf({"model_type": "gpt2", "num_attention_heads": 2})
     assert all(family_for({"model_type": t}).load() is llama for t in ("llama", "mistral", "qwen2", "qwen3"))
 

@@ -24,10 +24,74 @@ class Collectives(Protocol):
     def all_gather_last(self, x: Tensor) -> Tensor: ...
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
-    """Inverse frequencies, with Llama-3 style long-context scaling when configured."""
+def rope_kind(scaling: dict | None) -> str | None:
+    """The scaling's type (`rope_type`, or the older `type`); None without scaling."""
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1): transformers' get_mscale."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What transformers multiplies RoPE's cos and sin by: YaRN's attention factor (as given; else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set and nonzero; else
+    mscale(factor)), and 1 for every other kind. DeepSeek-V3 and Kimi K2 set mscale = mscale_all_dim, so
+    theirs is 1 (their softmax scale carries mscale_all_dim instead: models/deepseek_v3.py)."""
+    if rope_kind(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: dict) -> Tensor:
+    """YaRN's inverse frequencies, step for step as transformers' _compute_yarn_parameters (in fp32, so the
+    result is bit-identical): extrapolated (plain) frequencies above the `beta_fast` correction dim,
+    interpolated ones (divided by `factor`) below `beta_slow`'s, a linear ramp between (the range floored
+    and ceiled unless `truncate` is false). `factor` and `original_max_position_embeddings` are required
+    (transformers derives a missing factor from max_position_embeddings; the family's config does that)."""
+    missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
+    if missing:
+        raise ValueError(f"yarn rope scaling needs {' and '.join(missing)}")
+    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers': no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, applies_attention_factor: bool = False) -> Tensor:
+    """Inverse frequencies, with long-context scaling when configured: Llama-3, linear or YaRN.
+
+    YaRN also scales cos and sin (rope_attention_factor). A caller passes applies_attention_factor=True
+    when its forward hands that factor to rope_cos_sin; otherwise a YaRN whose factor is not 1 is refused
+    rather than computed without it."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    kind = rope_kind(scaling)
+    if kind == "yarn":
+        factor = rope_attention_factor(scaling)
+        if factor != 1.0 and not applies_attention_factor:
+            raise ValueError(
+                f"yarn rope scaling with attention factor {factor:.6g} (from its factor, mscale and "
+                "mscale_all_dim) is not supported by this model, whose attention does not scale cos/sin"
+            )
+        return yarn_inv_freq(head_dim, theta, scaling)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -41,15 +105,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind is not None:
-        raise ValueError(f"unsupported rope scaling '{kind}' (supported: llama3, linear)")
+        raise ValueError(f"unsupported rope scaling '{kind}' (supported: llama3, linear, yarn)")
     return inv_freq.float()
 
 
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin of shape [*positions.shape, head_dim] in the rotate-half layout."""
+def rope_cos_sin(
+    inv_freq: Tensor, positions: Tensor, dtype: torch.dtype, attention_factor: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape [*positions.shape, head_dim] in the rotate-half layout, times attention_factor
+    (YaRN's, rope_attention_factor; applied in fp32 before the cast, where transformers applies it)."""
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -230,6 +230,11 @@ class Transformer(nn.Module):
                 cfg.intermediate_size // world,
             )
 
+    @property
+    def cache_storage(self) -> Tensor | None:
+        """The one buffer holding every layer's cache (None before setup_caches)."""
+        return self.kv_storage
+
     def setup_caches(self, max_batch: int, max_slots: int) -> None:
         p = self.lm_head.weight
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies

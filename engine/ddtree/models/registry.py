@@ -24,7 +24,11 @@ class Family:
         return importlib.import_module(f"ddtree.models.{self.module}")
 
 
-FAMILIES = (Family("llama", "llama", ("llama", "mistral", "qwen2", "qwen3")),)
+FAMILIES = (
+    Family("llama", "llama", ("llama", "mistral", "qwen2", "qwen3")),
+    Family("deepseek_v3", "deepseek_v3", ("deepseek_v3", "kimi_k2", "kimi_k25")),
+    Family("qwen3_moe", "qwen3_moe", ("qwen3_moe",)),
+)
 
 
 def supported_model_types() -> list[str]:

@@ -129,6 +129,47 @@ def logits_difference(target: Transformer, ctx: int, tokens: int = 17) -> dict:
     }
 
 
+def expert_bytes(target: Transformer) -> tuple[int, int]:
+    """(bytes of the routed experts' weights, bytes a batch-1 decode step reads of them: top k of each
+    MoE layer's experts); (0, 0) for a dense model."""
+    from ..models.moe import SparseMoE
+
+    total = active = 0
+    for module in target.modules():
+        if isinstance(module, SparseMoE):
+            layer = weight_bytes(module.experts)
+            total += layer
+            active += layer * module.gate.top_k // len(module.experts)
+    return total, active
+
+
+MOE_BATCHES, MOE_TOKENS = (1, 8, 32), (1, 9, 17, 33, 65)
+
+
+def moe_micro(target: Transformer, ctx: int, bandwidth: float | None) -> dict:
+    """The MoE verify tax: forward ms for 1 (decode) and 9/17/33/65 (verify) tokens per sequence at
+    batch 1, 8 and 32, and the decode step's HBM bound counting only the chosen experts' bytes (a tree of
+    B + 1 tokens activates up to (B + 1) x k experts per layer, so verify grows faster than on a dense
+    model of the same active size)."""
+    cuda = target.lm_head.weight.is_cuda
+    total, active = expert_bytes(target)
+    dense = weight_bytes(target) - total
+    out: dict[str, Any] = {"expert_bytes": total, "active_expert_bytes": active, "other_bytes": dense}
+    if bandwidth:
+        out["active_bound_ms"] = round((dense + active) / bandwidth * 1000, 3)
+        out["all_experts_bound_ms"] = round((dense + total) / bandwidth * 1000, 3)
+    out["forward_ms"] = {
+        batch: {
+            tokens: round(forward_ms(target, batch, ctx, tokens, graphs=cuda, reps=20 if cuda else 1), 3)
+            for tokens in MOE_TOKENS
+        }
+        for batch in MOE_BATCHES
+    }
+    if bandwidth:
+        out["decode_over_active_bound"] = round(out["forward_ms"][1][1] / out["active_bound_ms"], 3)
+    return out
+
+
 def micro(target: Transformer, ctx: int = 1024, variants: tuple[str, ...] = ("torch",)) -> dict:
     """Plain decode step and verify widths at batch 1 against the HBM bound, per kernel variant.
     On CUDA each shape is one CUDA graph; on CPU (a check of the code path) eager, with no bound."""
@@ -155,6 +196,8 @@ def micro(target: Transformer, ctx: int = 1024, variants: tuple[str, ...] = ("to
         if cuda:
             out["decode_over_hbm_bound"][variant] = round(ms[1] / out["hbm_bound_ms"], 3)
         out["verify33_over_decode"][variant] = round(ms[33] / ms[1], 3)
+    if expert_bytes(target)[0]:  # a mixture of experts: the verify tax, with the last variant
+        out["moe"] = moe_micro(target, ctx, bw if cuda else None)
     if len(variants) > 1:
         out["logits_torch_vs_triton"] = logits_difference(target, ctx)
     return out

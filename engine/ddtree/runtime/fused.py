@@ -19,14 +19,17 @@ from __future__ import annotations
 
 from typing import cast
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models.layers import MLP, RMSNorm, concat_views
 from ..models.llama import Attention, DecoderLayer, Transformer
+from ..models.moe import SparseMoE
 from ..speculative.drafter import DFlashDrafter, DrafterAttention
 from ..speculative.tree import Tree, build_ddtree, top_candidates
 from . import kernels
+from .moe_kernels import moe_experts
 
 BACKENDS = ("reference", "torch", "triton")
 
@@ -238,6 +241,100 @@ def use_backend(model: Transformer, backend: str) -> None:
         reference = module.reference if isinstance(module, _Swapped) else type(module)
         swap(module, table.get(reference, reference))
     model.backend = backend
+
+
+# ---- mixture of experts --------------------------------------------------------------------------
+
+
+class FusedMoE(_Swapped, SparseMoE):
+    """The chosen experts only, in static shapes: CUDA-graph capturable (no nonzero, no shape that depends
+    on the routing, no host sync). The reference (every expert on every token) stays the oracle.
+
+    The layout: the P = N * k (token, expert) pairs sorted by expert (a stable argsort), each expert's run
+    padded to whole tiles of `tile_rows(P, E)` rows, so that a tile holds pairs of one expert. However the
+    router chooses, sum_e ceil(count_e / T) <= min(P, (P + min(E, P) * (T - 1)) // T), so the buffers have a
+    size fixed by the shape; tiles past the used ones hold zeros. Pairs whose expert another rank holds
+    (tensor parallelism) get no row and add zero.
+
+    The compute: per tile, its expert's stacked gate/up and down weights (views of the experts' parameters,
+    as concat_views makes them: names and state dict stay the checkpoint's) gathered into two batched GEMMs,
+    silu(gate) * up between them; then each pair's row times its routing weight, summed over the token's k
+    pairs in a fixed order (deterministic: no atomics).
+
+    The tile (data, as the shape buckets of the Triton modules): the smallest power of two T with
+    T * E >= P, so that a decode step (P <= E) runs one pair per tile, a batched GEMV over the chosen experts
+    alone, and a step never gathers more than 2 E experts' weights.
+
+    What the GPU path should become: a Triton grouped GEMM over this same layout (as vLLM's fused_moe with
+    moe_align_block_size), each program reading its tile's expert weights in place from the stacked
+    tensors rather than from a gathered copy, silu(gate) * up in the gate/up epilogue and the routing weight
+    in the down epilogue. Here the gather copies the weights of up to 2 E experts per step (for a 33-token
+    verify of Qwen3-30B-A3B, 162 tiles of 4 rows); this path has not been measured on a GPU."""
+
+    reference = SparseMoE
+    w_gate_up: Tensor | None = None  # [experts held here, 2 * inter, hidden]: gate rows, then up rows
+    w_down: Tensor | None = None  # [experts held here, hidden, inter]
+
+    def adopt(self) -> None:
+        experts = cast(list[MLP], list(self.experts))
+        inter, hidden = experts[0].gate_proj.weight.shape
+        gate_up = [w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight)]
+        self.w_gate_up = concat_views(gate_up).view(len(experts), 2 * inter, hidden)
+        self.w_down = concat_views([e.down_proj.weight for e in experts]).view(len(experts), hidden, inter)
+
+    def drop(self) -> None:
+        self.w_gate_up = self.w_down = None
+
+    @staticmethod
+    def tile_rows(pairs: int, experts: int) -> int:
+        rows = 1
+        while rows * experts < pairs:
+            rows *= 2
+        return rows
+
+    def layout(self, ids: Tensor) -> tuple[Tensor, Tensor, int, int]:
+        """ids [N, k] (global expert ids) -> (the buffer row of each pair [N * k] (tiles * T for a pair held
+        elsewhere), the expert of each tile [tiles], T, tiles)."""
+        experts, pairs, dev = len(self.experts), ids.numel(), ids.device
+        rows = self.tile_rows(pairs, experts)
+        tiles = min(pairs, (pairs + min(experts, pairs) * (rows - 1)) // rows)
+        local = ids.reshape(-1) - self.first_expert
+        expert = torch.where((local >= 0) & (local < experts), local, experts)  # `experts`: another rank's
+        counts = torch.zeros(experts + 1, dtype=torch.long, device=dev).scatter_add_(0, expert, torch.ones_like(expert))
+        run_tiles = (counts[:experts] + rows - 1) // rows
+        tile_end = run_tiles.cumsum(0)
+        order = torch.argsort(expert, stable=True)
+        sorted_expert = expert[order]
+        rank = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[sorted_expert]  # within its run
+        first_row = ((tile_end - run_tiles) * rows)[sorted_expert.clamp(max=experts - 1)]
+        row_sorted = torch.where(sorted_expert < experts, first_row + rank, tiles * rows)
+        row = torch.empty_like(row_sorted).scatter_(0, order, row_sorted)
+        tile_expert = torch.searchsorted(tile_end, torch.arange(tiles, device=dev), right=True)
+        return row, tile_expert.clamp(max=experts - 1), rows, tiles
+
+    def combine(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        n, k = ids.shape
+        row, tile_expert, rows, tiles = self.layout(ids)
+        buf = x.new_zeros(tiles * rows + 1, x.shape[-1])  # the last row: pairs held elsewhere write there
+        buf[row] = x[:, None].expand(n, k, x.shape[-1]).reshape(n * k, -1)  # pair p is token p // k
+        h = buf[: tiles * rows].view(tiles, rows, -1)
+        gate, up = torch.bmm(h, self.w_gate_up[tile_expert].transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.w_down[tile_expert].transpose(1, 2)).reshape(tiles * rows, -1)
+        y = torch.cat([y, y.new_zeros(1, y.shape[-1])])  # pairs held elsewhere read zeros
+        return (y[row].view(n, k, -1) * weights[..., None]).sum(dim=1)
+
+
+class TritonMoE(FusedMoE):
+    """The chosen experts through the Triton grouped GEMMs of runtime/moe_kernels.py: each program reads
+    its block's expert weights in place from the stacked tensors (no gathered copy), silu(gate) * up in
+    the gate/up epilogue."""
+
+    def combine(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        return moe_experts(x, weights, ids, self.w_gate_up, self.w_down, self.first_expert)
+
+
+SWAPS["torch"][SparseMoE] = FusedMoE
+SWAPS["triton"][SparseMoE] = TritonMoE
 
 
 # ---- the drafter ---------------------------------------------------------------------------------

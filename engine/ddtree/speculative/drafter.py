@@ -17,7 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models.layers import MLP, Collectives, KVCache, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from ..models.deepseek_v3 import ModelConfig as MLAConfig
+from ..models.layers import (
+    MLP,
+    Collectives,
+    KVCache,
+    RMSNorm,
+    apply_rope,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from ..models.llama import ModelConfig
 
 
@@ -33,6 +43,41 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def sliding_layers(cfg: dict) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) of a drafter config.json dict, read as transformers' Qwen3Config reads
+    them (z-lab's DFlashDraftModel is built on it): the window is `sliding_window` when `use_sliding_window`
+    is true and None otherwise; `layer_types` is given, or, with a window, "sliding_attention" from layer
+    `max_window_layers` (default 28) on. (None, None) when every layer is full attention.
+
+    Sliding layers stay bidirectional inside the block, as in the DFlash drafter (z-lab/dflash at 44947fb,
+    2026-04-26: is_causal False, the window passed to the attention; SGLang and vLLM likewise; from_hf
+    refuses `is_causal` true). A config whose layer_types name sliding layers while the window is off (no
+    `use_sliding_window`, or no `sliding_window`) is refused: transformers would run those layers as full
+    attention, later z-lab code as causal ones, and which of the two the drafter was trained with cannot
+    be told from the config."""
+    layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    types = list(types)
+    if len(types) != layers or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise DrafterMismatchError(
+            f"drafter layer_types {types} must give full_attention or sliding_attention for each of {layers} layers"
+        )
+    if "sliding_attention" not in types:
+        return None, None
+    if window is None:
+        raise DrafterMismatchError(
+            "drafter layer_types name sliding_attention layers but the window is off "
+            f"(use_sliding_window {cfg.get('use_sliding_window')}, sliding_window {cfg.get('sliding_window')})"
+        )
+    if not isinstance(window, int) or window < 1:
+        raise DrafterMismatchError(f"drafter sliding_window {window!r} must be a positive integer")
+    return types, window
+
+
 @dataclass
 class DrafterConfig:
     vocab_size: int
@@ -43,7 +88,7 @@ class DrafterConfig:
     num_key_value_heads: int
     head_dim: int
     block_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None when a published config leaves it out (its target_layer_ids say enough)
     mask_token_id: int
     target_layer_ids: list[int]
     rms_norm_eps: float = 1e-6
@@ -51,6 +96,16 @@ class DrafterConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     attention_bias: bool = False
+    # each layer's attention, "full_attention" or "sliding_attention" (None: all full), and the window of the
+    # sliding ones: a block query at position p sees the keys at positions q with |p - q| < sliding_window
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of drafter layer `layer`, None for a full-attention layer."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def split_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
@@ -64,21 +119,34 @@ class DrafterConfig:
     @classmethod
     def for_target(
         cls,
-        target: ModelConfig,
+        target: ModelConfig | MLAConfig,
         num_layers: int = 1,
         block_size: int = 16,
         mask_token_id: int | None = None,
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
     ) -> DrafterConfig:
+        """A drafter shaped like the target's attention and MLP. An MLA target (DeepSeek-V3, Kimi K2) has no
+        dense head_dim or KV heads: the drafter takes its drafter_attention() (the published Kimi-K2.5
+        drafter's shape: the target's heads, head dim v_head_dim, a divisor of the heads near heads / 8 as KV
+        heads). The target's RoPE scaling is copied; the drafter's attention applies no cos/sin factor, so a
+        YaRN whose attention factor is not 1 is copied with attention_factor 1 (a random drafter's RoPE only
+        needs to be consistent with itself; a trained drafter brings its own config)."""
+        if isinstance(target, MLAConfig):
+            heads, kv_heads, head_dim = target.drafter_attention()
+        else:
+            heads, kv_heads, head_dim = target.num_attention_heads, target.num_key_value_heads, target.head_dim
+        rope_scaling = target.rope_scaling
+        if rope_attention_factor(rope_scaling) != 1.0:
+            rope_scaling = {**rope_scaling, "attention_factor": 1.0}
         return cls(
             vocab_size=target.vocab_size,
             hidden_size=target.hidden_size,
             intermediate_size=intermediate_size or target.intermediate_size,
             num_hidden_layers=num_layers,
-            num_attention_heads=target.num_attention_heads,
-            num_key_value_heads=target.num_key_value_heads,
-            head_dim=target.head_dim,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             block_size=block_size,
             num_target_layers=target.num_hidden_layers,
             # the last vocabulary row: an embedding the drafter learns to read as "unknown yet"
@@ -86,7 +154,7 @@ class DrafterConfig:
             target_layer_ids=target_layer_ids or default_target_layer_ids(target.num_hidden_layers, num_layers),
             rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta,
-            rope_scaling=target.rope_scaling,
+            rope_scaling=rope_scaling,
             max_position_embeddings=target.max_position_embeddings,
         )
 
@@ -95,8 +163,11 @@ class DrafterConfig:
         arch = cfg.get("architectures") or ["DFlashDraftModel"]
         if arch[0] != "DFlashDraftModel":
             raise DrafterMismatchError(f"unsupported drafter architecture {arch[0]} (expected DFlashDraftModel)")
-        if "sliding_attention" in (cfg.get("layer_types") or []):
-            raise DrafterMismatchError("drafters with sliding-window layers are not supported yet")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise DrafterMismatchError(f"drafter hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        if cfg.get("is_causal"):  # later z-lab code reads it: causal attention inside the block
+            raise DrafterMismatchError("drafters with causal attention (is_causal true) are not supported")
+        layer_types, window = sliding_layers(cfg)
         dflash = cfg.get("dflash_config") or {}
         heads = cfg["num_attention_heads"]
         layer_ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
@@ -115,7 +186,7 @@ class DrafterConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             block_size=int(cfg.get("block_size", dflash.get("block_size", 16))),
-            num_target_layers=cfg["num_target_layers"],
+            num_target_layers=cfg.get("num_target_layers"),
             mask_token_id=int(dflash.get("mask_token_id", cfg.get("mask_token_id"))),
             target_layer_ids=list(layer_ids),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -123,6 +194,8 @@ class DrafterConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             attention_bias=cfg.get("attention_bias", False),
+            layer_types=layer_types,
+            sliding_window=window,
         )
 
     def to_hf(self) -> dict:
@@ -130,6 +203,11 @@ class DrafterConfig:
         cfg = asdict(self)
         for key in ("block_size", "mask_token_id", "target_layer_ids"):
             cfg.pop(key)
+        for key in ("num_target_layers", "layer_types", "sliding_window"):
+            if cfg[key] is None:
+                cfg.pop(key)
+        if self.sliding_window is not None:
+            cfg["use_sliding_window"] = True  # transformers' Qwen3Config drops the window without it
         cfg.update(
             architectures=["DFlashDraftModel"],
             auto_map={"AutoModel": "dflash.DFlashDraftModel"},
@@ -217,6 +295,8 @@ class DrafterAttention(nn.Module):
 
 
 class DrafterLayer(nn.Module):
+    sliding_window: int | None = None  # set by DFlashDrafter for a sliding-window layer
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.self_attn = DrafterAttention(cfg)
@@ -237,6 +317,8 @@ class DFlashDrafter(nn.Module):
         self.layers: list[DrafterLayer] = nn.ModuleList(  # type: ignore[assignment]
             DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)
         )
+        for i, layer in enumerate(self.layers):
+            layer.sliding_window = cfg.layer_window(i)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -283,9 +365,23 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         bs, T, _ = x.shape
         meta = self.layers[0].self_attn.metadata(mask.expand(bs, 1, T, mask.shape[-1])) if self.layers else None
+        windowed = self.window_mask(mask, block_slots)
         for layer in self.layers:
-            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, mask, meta)
+            layer_mask = mask if layer.sliding_window is None else windowed
+            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, layer_mask, meta)
         return self.norm(x)
+
+    def window_mask(self, mask: Tensor, block_slots: Tensor) -> Tensor | None:
+        """The mask of the sliding-window layers (None without any): `mask` [bs, 1, BS, span] where the key's
+        slot is within the window of the query's, |query - key| < sliding_window. The drafter cache keeps
+        each token at the slot of its position (the Engine writes it so), so this is the window over
+        positions, the context's and the block's alike. The same extent (meta) still bounds it."""
+        window = self.config.sliding_window
+        if window is None or all(layer.sliding_window is None for layer in self.layers):
+            return None
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        queries = block_slots[:, None, :, None]
+        return mask & ((queries - keys) < window) & ((keys - queries) < window)
 
     def append_context(
         self, ctx_features: Tensor, positions: Tensor, slots: Tensor, rows: Tensor | None = None

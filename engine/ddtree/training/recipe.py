@@ -252,9 +252,9 @@ class Sampler:
 
 
 def _ensure_target_cache(target: Transformer, batch: int, slots: int) -> None:
-    cache = target.model.layers[0].self_attn.kv_cache
+    cache = target.cache_storage
     # caches made under inference_mode (data generation, Engine) cannot be written outside it
-    if cache is None or cache.k.is_inference() or target.max_batch < batch or target.max_slots < slots:
+    if cache is None or cache.is_inference() or target.max_batch < batch or target.max_slots < slots:
         target.setup_caches(max(batch, target.max_batch), max(slots, target.max_slots))
 
 
