@@ -93,7 +93,7 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Te
     mine = (flat >= 0) & (flat < num_experts)
     bucket = torch.where(mine, flat, num_experts)  # the others go to a bucket past the last expert
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
-    counts[num_experts] = 0  # no rows for the others' bucket
+    counts = torch.cat([counts[:num_experts], counts.new_zeros(1)])  # no rows for the others' bucket
     padded = (counts + block_m - 1) // block_m * block_m
     padded_start = torch.cumsum(padded, 0) - padded
     start = torch.cumsum(counts, 0) - counts
