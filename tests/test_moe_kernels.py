@@ -91,3 +91,23 @@ def test_moe_experts(dtype, case):
 def test_moe_experts_compiled(dtype):
     for case in MOE_CASES + [(65, 8, 128, 2048, 768, 0), (8, 8, 32, 7168, 2048, 0)]:
         check_moe_experts("cuda", dtype, *case)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_moe_experts_replay_from_a_cuda_graph_with_new_routing():
+    """Captured once, replayed after the routing changed in place: the same as running it eagerly."""
+    g = torch.Generator().manual_seed(0)
+    tokens, top_k, experts, hidden, inter = 9, 4, 16, 256, 128
+    x = torch.randn(tokens, hidden, generator=g).cuda().bfloat16()
+    weights = torch.rand(tokens, top_k, generator=g).cuda().bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).cuda()
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).cuda().bfloat16()
+    w_down = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).cuda().bfloat16()
+    moe_experts(x, weights, ids, w_gate_up, w_down)  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(x, weights, ids, w_gate_up, w_down)
+    ids.copy_(torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).cuda())
+    graph.replay()
+    torch.testing.assert_close(out, moe_experts(x, weights, ids, w_gate_up, w_down))
