@@ -56,7 +56,7 @@ for part in "${PARTS[@]}"; do
       for shape in qwen3-30b-a3b kimi-k2.6-3layers; do
         log "moe: $shape, the verify tax and rounds"
         ddtree bench --model "random:$shape" --drafter random:1 --micro --kernels triton --methods ar,ddtree \
-          --budgets 8,16,32 --batch-sizes 1,8,32 --graphs on --rounds 8 --out "$OUT_DIR/moe-$shape"
+          --budgets 8,32 --batch-sizes 1,8 --graphs on --rounds 8 --out "$OUT_DIR/moe-$shape"
       done ;;
     rounds)
       log "rounds: ar / dflash / ddtree by budget and batch size, 8B shape"
