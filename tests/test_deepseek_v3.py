@@ -500,3 +500,23 @@ def test_drafter_training_reads_the_target_features_of_an_mla_target(mla):
     with torch.no_grad():
         _, taps = mla(tokens, j.expand(2, -1), j.expand(2, -1), causal(12).expand(2, 1, 12, 12), (0, 2))
     torch.testing.assert_close(features, taps)
+
+
+@pytest.mark.slow
+def test_ddtree_sampling_matches_ar_on_mla_and_experts():
+    """T > 0 is lossless on the latent cache and routed experts too: the tokens `ddtree` samples at
+    verify rounds are distributed as `ar`'s (the chi-square test and its sample size of test_sampling.py,
+    whose control shows the statistic rejects T=0.8 against T=1)."""
+    from test_sampling import ROUNDS, chi_square_p_value, emitted_pairs
+
+    target = tiny_mla(seed=1, scale=0.25, vocab_size=8, hidden_size=32)
+    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=4), seed=2)
+    ar = Engine(target, None, "ar", max_batch_size=64, max_seq_len=16)
+    tree = Engine(target, drafter, "ddtree", 12, max_batch_size=64, max_seq_len=32)
+    a = emitted_pairs(ar, ROUNDS, 1000, {"temperature": 1.0})
+    b = emitted_pairs(tree, ROUNDS, 5000, {"temperature": 1.0})
+    assert len(a) > 10, "the test needs a spread-out distribution"
+    assert chi_square_p_value(a, b) > 1e-3
+    # with 8 tokens and budget 12 the tree holds every depth-1 token: drafts are accepted
+    accepted = tree.generate([[1, 2, 3]] * 64, SamplingParams(max_new_tokens=3, seed=7, temperature=1.0))
+    assert sum(r.acceptance_length for r in accepted) / 64 > 1.5
