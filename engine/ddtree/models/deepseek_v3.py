@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .base import CausalLM
 from .layers import (
     MLP,
     Collectives,
@@ -619,32 +620,29 @@ def checkpoint_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
     return out
 
 
-class Transformer(nn.Module):
-    """The target: llama.Transformer's interface (forward, embed, logits, setup_caches, compact,
-    shard_layers, backend, tp) over MLA layers and DeepSeek MoE blocks."""
+class Transformer(CausalLM):
+    """The target over MLA layers and DeepSeek MoE blocks (base.CausalLM has the forward, embedding, LM
+    head and loading), with a latent cache and YaRN's attention factor on cos/sin."""
+
+    config_class = ModelConfig
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_factor = rope_attention_factor(cfg.rope_scaling)  # YaRN's cos/sin scale
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        self.max_batch = self.max_slots = 0
         self.latent_storage: Tensor | None = None  # [layers, batch, slots + 1, kv_lora_rank + qk_rope_head_dim]
-        self.tp: Collectives | None = None  # set once sharded
-        self.backend = "reference"  # as llama.Transformer: ddtree.runtime.fused swaps fused modules in
 
     def _inv_freq(self) -> Tensor:
         cfg = self.config
         return rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, applies_attention_factor=True)
 
     def _apply(self, fn, recurse=True):
-        # moving or casting re-creates the weights, so the fused modules revert to the reference ones;
-        # the routers' correction biases stay fp32 (as transformers keeps them): they decide near-ties
-        self.backend = "reference"
+        # the routers' correction biases stay fp32 through casts (as transformers keeps them): they decide
+        # near-ties; super()._apply resets the backend
         gates = [m for m in self.modules() if isinstance(m, GroupLimitedSigmoid)]
         kept = [g.e_score_correction_bias for g in gates]
         out = super()._apply(fn, recurse)
@@ -693,58 +691,16 @@ class Transformer(nn.Module):
             layer.self_attn.cache = LatentCache(self.latent_storage[i])
         self.max_batch, self.max_slots = max_batch, max_slots
 
-    @property
-    def trash_slot(self) -> int:
-        return self.max_slots
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        if self.tp is None:
-            return self.model.embed_tokens(tokens)
-        local = self.model.embed_tokens.weight.shape[0]  # vocabulary-parallel, as llama.Transformer
-        ids = tokens - self.tp.rank * local
-        mine = (ids >= 0) & (ids < local)
-        x = self.model.embed_tokens(ids.clamp(0, local - 1)) * mine[..., None].to(self.lm_head.weight.dtype)
-        return self.tp.all_reduce(x)
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        out = self.lm_head(hidden)
-        return self.tp.all_gather_last(out) if self.tp else out
-
-    def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        slots: Tensor,
-        mask: Tensor,
-        tap_layers: tuple[int, ...] = (),
-        logits: bool = True,
-        rows: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """As llama.Transformer.forward: tokens, positions, slots [bs, T]; mask [bs, 1, T, span] bool over
-        cache slots; rows: the cache rows of the batch entries (default 0..bs-1). Returns (logits or the
-        final normed hidden states, the tapped layer outputs concatenated or None)."""
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype, self.rope_factor)
-        x = self.embed(tokens)
-        layers, taps = self.model.layers, {}
-        if not layers:
-            return (self.logits(self.model.norm(x)) if logits else self.model.norm(x)), None
-        bs, T = tokens.shape
-        meta = layers[0].self_attn.metadata(mask.expand(bs, 1, T, mask.shape[-1]))
-        h = layers[0].input_layernorm(x)
-        for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = layer(x, h, next_norm, cos, sin, slots, mask, rows, meta)
-            if i in tap_layers:
-                taps[i] = x
-        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
-        return (self.logits(h) if logits else h), tapped
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype, self.rope_factor)
 
     @classmethod
-    def from_pretrained(cls, folder, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
-        """Load an HF-layout folder (config.json + safetensors, sharded or not); refuses quantized checkpoints."""
-        from .checkpoint import load_config, load_state_dict
+    def checkpoint_state(cls, folder, cfg, dtype: torch.dtype) -> dict[str, Tensor]:
+        """The checkpoint under our names (Kimi K2.5's language model renamed, vision and multi-token
+        prediction dropped), floating tensors in `dtype` but the routers' fp32 correction biases; refuses
+        quantized checkpoints."""
+        from .checkpoint import load_state_dict
 
-        cfg = ModelConfig.from_hf(load_config(folder))
         error = quantization_error(folder, cfg.quantization)
         if error:
             raise ValueError(error)
@@ -752,24 +708,10 @@ class Transformer(nn.Module):
         error = quantization_error(folder, None, state)
         if error:
             raise ValueError(error)
-        state = {
+        return {
             k: t.to(dtype) if t.is_floating_point() and not k.endswith("e_score_correction_bias") else t
             for k, t in state.items()
         }
-        if cfg.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        with torch.device("meta"):
-            model = cls(cfg)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.inv_freq = torch.empty(0)  # set by setup_caches
-        return model.to(device=device, dtype=dtype).eval()
 
     def compact(self, src: Tensor, dst: Tensor) -> None:
         """Copy cache slots src [bs, n] to dst [bs, n] in every layer (an accepted tree path moves to the

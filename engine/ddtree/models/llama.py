@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .base import CausalLM
 from .layers import (
     MLP,
     Collectives,
     KVCache,
     RMSNorm,
     apply_rope,
-    rope_cos_sin,
     rope_inv_freq,
     shard_attention_mlp,
 )
@@ -192,10 +192,13 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Transformer(nn.Module):
+class Transformer(CausalLM):
+    """The dense target: grouped-query attention with a per-head KV cache (base.CausalLM has the rest)."""
+
+    config_class = ModelConfig
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -203,18 +206,7 @@ class Transformer(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
-        self.max_batch = self.max_slots = 0
         self.kv_storage: Tensor | None = None  # [layers, 2 (k, v), batch, kv heads, slots + 1, head dim]
-        self.tp: Collectives | None = None  # set once sharded
-        # the modules' implementation: "reference" as built; ddtree.runtime.fused swaps in "torch" (fused
-        # GEMMs) or "triton" (fused GEMMs and Triton kernels) for inference, once, at load
-        self.backend = "reference"
-
-    def _apply(self, fn, recurse=True):
-        # moving or casting re-creates the weights, so the fused modules revert to the reference ones
-        # (ddtree.runtime.fused); the next Engine swaps them in again
-        self.backend = "reference"
-        return super()._apply(fn, recurse)
 
     def shard_layers(self, tp: Collectives) -> None:
         """Keep this rank's heads and MLP columns of every layer (ddtree.runtime.parallel.shard splits the
@@ -251,78 +243,6 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):  # indexing, not unbind: its views can't be written under autograd
             layer.self_attn.kv_cache = KVCache(max_batch, n_kv, max_slots, hd, p.dtype, p.device, self.kv_storage[i])
         self.max_batch, self.max_slots = max_batch, max_slots
-
-    @property
-    def trash_slot(self) -> int:
-        return self.max_slots
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        if self.tp is None:
-            return self.model.embed_tokens(tokens)
-        # vocabulary-parallel: each rank looks up the ids in its slice, the all-reduce fills in the rest
-        local = self.model.embed_tokens.weight.shape[0]
-        ids = tokens - self.tp.rank * local
-        mine = (ids >= 0) & (ids < local)
-        x = self.model.embed_tokens(ids.clamp(0, local - 1)) * mine[..., None].to(self.lm_head.weight.dtype)
-        return self.tp.all_reduce(x)
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        out = self.lm_head(hidden)
-        return self.tp.all_gather_last(out) if self.tp else out
-
-    def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        slots: Tensor,
-        mask: Tensor,
-        tap_layers: tuple[int, ...] = (),
-        logits: bool = True,
-        rows: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """tokens, positions, slots: [bs, T]; mask: [bs, 1, T, span] bool over cache slots;
-        rows: the cache rows of the batch entries (default 0..bs-1).
-
-        Returns (logits [bs, T, V] or the final normed hidden states, taps [bs, T, len(taps)*H] or None),
-        where tap l is the output of decoder layer l (0-based).
-        """
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype)
-        x = self.embed(tokens)
-        layers, taps = self.model.layers, {}
-        if not layers:
-            return (self.logits(self.model.norm(x)) if logits else self.model.norm(x)), None
-        bs, T = tokens.shape
-        meta = layers[0].self_attn.metadata(mask.expand(bs, 1, T, mask.shape[-1]))
-        h = layers[0].input_layernorm(x)
-        for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = layer(x, h, next_norm, cos, sin, slots, mask, rows, meta)
-            if i in tap_layers:
-                taps[i] = x
-        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
-        return (self.logits(h) if logits else h), tapped
-
-    @classmethod
-    def from_pretrained(cls, folder, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
-        """Load an HF-layout folder (config.json + safetensors, sharded or not)."""
-        from .checkpoint import load_config, load_state_dict
-
-        cfg = ModelConfig.from_hf(load_config(folder))
-        state = load_state_dict(folder, dtype=dtype)
-        if cfg.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        with torch.device("meta"):
-            model = cls(cfg)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.inv_freq = torch.empty(0)  # set by setup_caches
-        return model.to(device=device, dtype=dtype).eval()
 
     def compact(self, src: Tensor, dst: Tensor) -> None:
         """Copy cache slots src [bs, n] to dst [bs, n] in every layer (an accepted tree path moves to

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import cast
 
-import torch
 from torch import nn
 
 from . import llama
@@ -191,6 +190,7 @@ class Transformer(llama.Transformer):
     family's layers."""
 
     config: ModelConfig
+    config_class = ModelConfig
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(replace(cfg, num_hidden_layers=0))  # llama's skeleton, without its dense layers
@@ -209,26 +209,3 @@ class Transformer(llama.Transformer):
                 shard_experts(cast(SparseMoE, layer.mlp), tp)
             else:
                 shard_mlp(layer.mlp, tp, cfg.intermediate_size // world)
-
-    @classmethod
-    def from_pretrained(cls, folder, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
-        """Load an HF-layout folder (config.json + safetensors, sharded or not): per-expert weight names,
-        as Qwen's checkpoints and transformers' save_pretrained write them."""
-        from .checkpoint import load_config, load_state_dict
-
-        cfg = ModelConfig.from_hf(load_config(folder))
-        state = load_state_dict(folder, dtype=dtype)
-        if cfg.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        with torch.device("meta"):
-            model = cls(cfg)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.inv_freq = torch.empty(0)  # set by setup_caches
-        return model.to(device=device, dtype=dtype).eval()
