@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import llama
 from .base import CausalLM
 from .layers import (
     MLP,
@@ -520,44 +521,23 @@ class Attention(nn.Module):
         return self.output(self.attend(q, mask, rows, meta))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int):
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp: nn.Module
-        if cfg.is_moe(index):
-            gate = GroupLimitedSigmoid(
-                cfg.hidden_size,
-                cfg.n_routed_experts,
-                cfg.num_experts_per_tok,
-                cfg.n_group,
-                cfg.topk_group,
-                cfg.norm_topk_prob,
-                cfg.routed_scaling_factor,
-            )
-            shared = cfg.n_shared_experts * cfg.moe_intermediate_size
-            self.mlp = SparseMoE(gate, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, shared)
-        else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        x: Tensor,
-        h: Tensor,
-        next_norm: RMSNorm,
-        cos: Tensor,
-        sin: Tensor,
-        slots: Tensor,
-        mask: Tensor,
-        rows: Tensor | None,
-        meta: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        """The (x, h) pair form of llama's DecoderLayer: returns the residual stream and its next norm."""
-        x = x + self.self_attn(h, cos, sin, slots, mask, rows, meta)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, next_norm(x)
+def decoder_layer(cfg: ModelConfig, index: int) -> llama.DecoderLayer:
+    """llama's pre-norm pair-form layer with MLA attention, and DeepSeek's MoE (routed experts under
+    group-limited sigmoid routing, plus shared experts) past the first `first_k_dense_replace` layers."""
+    if not cfg.is_moe(index):
+        return llama.DecoderLayer(cfg, Attention(cfg), MLP(cfg.hidden_size, cfg.intermediate_size))
+    gate = GroupLimitedSigmoid(
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        cfg.n_group,
+        cfg.topk_group,
+        cfg.norm_topk_prob,
+        cfg.routed_scaling_factor,
+    )
+    shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+    moe = SparseMoE(gate, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, shared)
+    return llama.DecoderLayer(cfg, Attention(cfg), moe)
 
 
 class Decoder(nn.Module):
@@ -566,8 +546,8 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers: list[DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
-            DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+        self.layers: list[llama.DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
+            decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

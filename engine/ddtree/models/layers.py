@@ -232,8 +232,14 @@ def shard_mlp(mlp: MLP, tp: Collectives, inter: int) -> None:
 
 
 def shard_attention_mlp(attn, mlp: MLP, tp: Collectives, hq: int, hkv: int, inter: int) -> None:
-    """Megatron split of a grouped-query attention (q/k/v by heads, o by input columns) and its MLP, for a
-    rank keeping hq query heads, hkv KV heads and an MLP width of inter."""
+    """Megatron split of a grouped-query attention and its MLP, for a rank keeping hq query heads, hkv KV
+    heads and an MLP width of inter."""
+    shard_attention(attn, tp, hq, hkv)
+    shard_mlp(mlp, tp, inter)
+
+
+def shard_attention(attn, tp: Collectives, hq: int, hkv: int) -> None:
+    """Megatron split of a grouped-query attention: q/k/v by heads, o by input columns, its bias added once."""
     hd, rank = attn.head_dim, tp.rank
     for proj, heads in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)):
         keep_rows(proj.weight, rank, heads * hd)
@@ -244,4 +250,3 @@ def shard_attention_mlp(attn, mlp: MLP, tp: Collectives, hq: int, hkv: int, inte
         attn.o_proj.bias.data.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
     attn.n_heads, attn.n_kv = hq, hkv
     attn.tp = tp
-    shard_mlp(mlp, tp, inter)

@@ -152,10 +152,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """A pre-norm decoder layer; families pass their attention and MLP (default: the dense family's)."""
+
+    def __init__(self, cfg, attention: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = attention if attention is not None else Attention(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

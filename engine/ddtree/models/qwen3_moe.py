@@ -24,7 +24,7 @@ from typing import cast
 from torch import nn
 
 from . import llama
-from .layers import Collectives, keep_cols, keep_rows, rope_inv_freq, shard_mlp
+from .layers import Collectives, rope_inv_freq, shard_attention, shard_mlp
 from .moe import SoftmaxTopK, SparseMoE, shard_experts
 
 # config.json fields, all accounted for: read (they set the math, and we implement it), required to hold a
@@ -161,28 +161,12 @@ class ModelConfig(llama.ModelConfig):
 
 def decoder_layer(cfg: ModelConfig, index: int) -> llama.DecoderLayer:
     """llama's layer (Qwen3 attention, the norms, the pair-form forward), with the mixture of experts as its
-    MLP on a sparse layer (the dense MLP built first is dropped at once)."""
-    layer = llama.DecoderLayer(cfg)
-    if cfg.is_sparse(index):
-        router = SoftmaxTopK(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        moe = SparseMoE(router, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        layer.mlp = moe  # type: ignore[assignment]  # in the MLP's place: called the same way
-    return layer
-
-
-def shard_attention(attn: llama.Attention, tp: Collectives, hq: int, hkv: int) -> None:
-    """Megatron split of the attention alone (layers.shard_attention_mlp's attention part): q/k/v by heads,
-    o by input columns, its bias added once."""
-    hd, rank = attn.head_dim, tp.rank
-    for proj, heads in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)):
-        keep_rows(proj.weight, rank, heads * hd)
-        if proj.bias is not None:
-            keep_rows(proj.bias, rank, heads * hd)
-    keep_cols(attn.o_proj.weight, rank, hq * hd)
-    if attn.o_proj.bias is not None and rank > 0:
-        attn.o_proj.bias.data.zero_()
-    attn.n_heads, attn.n_kv = hq, hkv
-    attn.tp = tp
+    MLP on a sparse layer."""
+    if not cfg.is_sparse(index):
+        return llama.DecoderLayer(cfg)
+    router = SoftmaxTopK(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    moe = SparseMoE(router, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    return llama.DecoderLayer(cfg, mlp=moe)
 
 
 class Transformer(llama.Transformer):
