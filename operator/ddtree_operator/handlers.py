@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import logging
 import os
 import time
@@ -96,6 +97,14 @@ def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any]) 
         raise ValueError(f"no apply path for kind {obj['kind']}")
 
 
+def _missing_kind(exc: kubernetes.client.ApiException) -> str | None:
+    """The kind a 404's Status names as missing ("namespaces" when the namespace itself is gone)."""
+    try:
+        return json.loads(exc.body or "{}").get("details", {}).get("kind")
+    except (ValueError, AttributeError):
+        return None
+
+
 def apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymentSpec, body: Any) -> None:
     client: kubernetes.client.ApiClient = memo.api
     for child in render_children(owner, spec, memo.defaults):
@@ -105,6 +114,9 @@ def apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymen
             if exc.status == 403 and "NamespaceTerminating" in (exc.body or ""):
                 # The namespace controller is about to delete this resource as well.
                 raise kopf.TemporaryError(f"namespace {owner.namespace} is being deleted", delay=10) from exc
+            if exc.status == 404 and _missing_kind(exc) == "namespaces":
+                # Gone with its namespace: a status tick that ran before the watch saw the deletion.
+                raise kopf.TemporaryError(f"namespace {owner.namespace} is gone", delay=60) from exc
             if child["kind"] == "PodMonitor" and exc.status == 404:
                 kopf.warn(
                     body,

@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from kube_testbed import ENGINE_IMAGE, OWNER_LABEL_KEY, wait_for
+from kube_testbed import ENGINE_IMAGE, EXAMPLES, OWNER_LABEL_KEY, wait_for
 
 pytestmark = pytest.mark.usefixtures("operator")
 
@@ -379,3 +379,19 @@ def test_pod_monitor_follows_the_spec(cluster, namespace):
 
     set_pod_monitor(False)
     wait_for(lambda: not pod_monitors(), 30, "the PodMonitor deleted")
+
+
+def test_applying_into_a_namespace_that_is_gone_is_a_temporary_error(cluster):
+    """A status tick can run after the resource's namespace is deleted and before the watch sees it: the
+    apply then gets 404 for the namespace. That is a temporary error (logged in one line, retried, then
+    dropped with the resource), not a crash with a traceback in the operator's log."""
+    import kopf
+
+    from ddtree_operator import api, handlers
+    from ddtree_operator.render import EngineDefaults, Owner
+
+    spec = yaml.safe_load((EXAMPLES / "smollm2-cpu.yaml").read_text())["spec"]
+    memo = kopf.Memo(api=cluster.api, defaults=EngineDefaults(image=ENGINE_IMAGE, image_pull_policy="IfNotPresent"))
+    owner = Owner("smollm2-cpu", "t-gone-0000", "0")
+    with pytest.raises(kopf.TemporaryError, match="namespace t-gone-0000 is gone"):
+        handlers.apply_children(memo, owner, api.SpeculativeDeploymentSpec.model_validate(spec), body={})
