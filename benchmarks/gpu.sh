@@ -103,6 +103,7 @@ except (OSError, KeyError, TypeError):
     gpu-tests)
       log "gpu-tests"
       $PY -m pytest -q -ra -m gpu tests/test_kernels.py tests/test_graphs.py tests/test_engine.py \
+        tests/test_moe_kernels.py tests/test_qwen3_moe.py tests/test_deepseek_v3.py tests/test_train.py \
         2>&1 | tee "$OUT_DIR/gpu-tests.log" ;;
     kernels)
       log "kernels: Triton against PyTorch, 8B shape"
