@@ -45,6 +45,7 @@ from .layers import (
     MLP,
     Collectives,
     RMSNorm,
+    StepAttention,
     apply_rope,
     keep_cols,
     keep_rows,
@@ -431,7 +432,7 @@ class LatentCache(nn.Module):
         return self.latent[:bs, :span] if rows is None else self.latent[rows, :span]
 
 
-class Attention(nn.Module):
+class Attention(StepAttention):
     """Multi-head latent attention in the absorbed form, over the latent cache, as four steps like llama's
     (project, rotate + cache, attend, project out)."""
 
@@ -456,10 +457,6 @@ class Attention(nn.Module):
         self.low_rank_q = cfg.q_lora_rank is not None
         self.cache: LatentCache | None = None
         self.tp: Collectives | None = None  # set once sharded: o_proj outputs are partial sums
-
-    def metadata(self, mask: Tensor) -> Tensor | None:
-        """What the layers of one forward share about its mask (none here)."""
-        return None
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [bs, T, hidden] -> (q [bs, T, heads, nope + rope], kv_a output [bs, T, kv_lora_rank + rope])."""
@@ -502,23 +499,6 @@ class Attention(nn.Module):
         )
         _, w_uv = self._kv_b()
         return torch.einsum("bhtr,hvr->bthv", out, w_uv).reshape(bs, T, self.n_heads * self.v_dim)
-
-    def output(self, out: Tensor) -> Tensor:
-        out = self.o_proj(out)
-        return self.tp.all_reduce(out) if self.tp else out
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        slots: Tensor,
-        mask: Tensor,
-        rows: Tensor | None,
-        meta: Tensor | None = None,
-    ) -> Tensor:
-        q = self.rotate_and_cache(*self.project(x), cos, sin, slots, rows)
-        return self.output(self.attend(q, mask, rows, meta))
 
 
 def decoder_layer(cfg: ModelConfig, index: int) -> llama.DecoderLayer:

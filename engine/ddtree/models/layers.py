@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -191,6 +192,64 @@ def concat_views(params: list[Tensor]) -> Tensor:
         p.data = fused[start : start + n]
         start += n
     return fused
+
+
+class StepAttention(nn.Module):
+    """Attention over a static cache as four steps, which each family defines and fused modules replace in
+    part (ddtree.runtime.fused): project, normalise + rotate + write the cache, attend, project out."""
+
+    o_proj: nn.Linear
+    tp: Collectives | None
+
+    # the steps each family defines (their arguments differ: MLA projects to a latent, not to k and v)
+    project: Callable[..., tuple[Tensor, ...]]  # x [bs, T, H] -> what rotate_and_cache takes first
+    rotate_and_cache: Callable[..., Tensor]  # (*project(x), cos, sin, slots, rows) -> queries
+    attend: Callable[..., Tensor]  # (q, mask, rows, meta) -> [bs, T, heads * head dim]
+
+    def metadata(self, mask: Tensor) -> Tensor | None:
+        """What the layers of one forward share about its mask (none here; see the Triton attention)."""
+        return None
+
+    def output(self, out: Tensor) -> Tensor:
+        out = self.o_proj(out)
+        return self.tp.all_reduce(out) if self.tp else out
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        slots: Tensor,
+        mask: Tensor,
+        rows: Tensor | None,
+        meta: Tensor | None = None,
+    ) -> Tensor:
+        q = self.rotate_and_cache(*self.project(x), cos, sin, slots, rows)
+        return self.output(self.attend(q, mask, rows, meta))
+
+
+def dense_split_sizes(cfg) -> dict[str, int]:
+    """The sizes tensor parallelism splits in a grouped-query model (each must be a multiple of the ranks)."""
+    return {
+        "attention heads": cfg.num_attention_heads,
+        "KV heads": cfg.num_key_value_heads,
+        "MLP width": cfg.intermediate_size,
+        "vocabulary": cfg.vocab_size,
+    }
+
+
+def shard_dense_layers(layers, cfg, tp: Collectives) -> None:
+    """Megatron split of grouped-query attention + MLP layers (the dense target's, the drafter's)."""
+    world = tp.world
+    for layer in layers:
+        shard_attention_mlp(
+            layer.self_attn,
+            layer.mlp,
+            tp,
+            cfg.num_attention_heads // world,
+            cfg.num_key_value_heads // world,
+            cfg.intermediate_size // world,
+        )
 
 
 class MLP(nn.Module):

@@ -19,9 +19,11 @@ from .layers import (
     Collectives,
     KVCache,
     RMSNorm,
+    StepAttention,
     apply_rope,
+    dense_split_sizes,
     rope_inv_freq,
-    shard_attention_mlp,
+    shard_dense_layers,
 )
 
 
@@ -47,12 +49,7 @@ class ModelConfig:
 
     def split_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
-        return {
-            "attention heads": self.num_attention_heads,
-            "KV heads": self.num_key_value_heads,
-            "MLP width": self.intermediate_size,
-            "vocabulary": self.vocab_size,
-        }
+        return dense_split_sizes(self)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -88,7 +85,7 @@ class ModelConfig:
         )
 
 
-class Attention(nn.Module):
+class Attention(StepAttention):
     """Grouped-query attention over the static cache, as four steps that fused modules replace in part
     (ddtree.runtime.fused): project, normalise + rotate + write the cache, attend, project out."""
 
@@ -106,10 +103,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.kv_cache: KVCache | None = None
         self.tp: Collectives | None = None  # set once sharded: o_proj outputs are partial sums
-
-    def metadata(self, mask: Tensor) -> Tensor | None:
-        """What the layers of one forward share about its mask (none here; see the Triton attention)."""
-        return None
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         bs, T, _ = x.shape
@@ -132,23 +125,6 @@ class Attention(nn.Module):
         k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return out.transpose(1, 2).reshape(bs, T, -1)
-
-    def output(self, out: Tensor) -> Tensor:
-        out = self.o_proj(out)
-        return self.tp.all_reduce(out) if self.tp else out
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        slots: Tensor,
-        mask: Tensor,
-        rows: Tensor | None,
-        meta: Tensor | None = None,
-    ) -> Tensor:
-        q = self.rotate_and_cache(*self.project(x), cos, sin, slots, rows)
-        return self.output(self.attend(q, mask, rows, meta))
 
 
 class DecoderLayer(nn.Module):
@@ -213,16 +189,7 @@ class Transformer(CausalLM):
     def shard_layers(self, tp: Collectives) -> None:
         """Keep this rank's heads and MLP columns of every layer (ddtree.runtime.parallel.shard splits the
         vocabulary and checks split_sizes first)."""
-        cfg, world = self.config, tp.world
-        for layer in self.model.layers:
-            shard_attention_mlp(
-                layer.self_attn,
-                layer.mlp,
-                tp,
-                cfg.num_attention_heads // world,
-                cfg.num_key_value_heads // world,
-                cfg.intermediate_size // world,
-            )
+        shard_dense_layers(self.model.layers, self.config, tp)
 
     @property
     def cache_storage(self) -> Tensor | None:

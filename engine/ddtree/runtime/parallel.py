@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..models.layers import Collectives, keep_rows, shard_attention_mlp
+from ..models.layers import Collectives, keep_rows, shard_dense_layers
 from ..models.llama import Transformer
 from .fused import use_backend
 
@@ -89,17 +89,8 @@ def split(target: Transformer, drafter, rank: int, world: int, replicate_drafter
 def shard_drafter(drafter, tp: Collectives) -> None:
     """Split the drafter's layers like the target's (fc and the norms stay replicated). Its KV cache
     is then sharded by KV heads too; call before setup_caches (the Engine does that)."""
-    cfg, world = drafter.config, tp.world
-    check_divisible(cfg, world, "the drafter")
-    for layer in drafter.layers:
-        shard_attention_mlp(
-            layer.self_attn,
-            layer.mlp,
-            tp,
-            cfg.num_attention_heads // world,
-            cfg.num_key_value_heads // world,
-            cfg.intermediate_size // world,
-        )
+    check_divisible(drafter.config, tp.world, "the drafter")
+    shard_dense_layers(drafter.layers, drafter.config, tp)
 
 
 @torch.no_grad()

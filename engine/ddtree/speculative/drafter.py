@@ -24,6 +24,7 @@ from ..models.layers import (
     KVCache,
     RMSNorm,
     apply_rope,
+    dense_split_sizes,
     rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
@@ -109,12 +110,7 @@ class DrafterConfig:
 
     def split_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
-        return {
-            "attention heads": self.num_attention_heads,
-            "KV heads": self.num_key_value_heads,
-            "MLP width": self.intermediate_size,
-            "vocabulary": self.vocab_size,
-        }
+        return dense_split_sizes(self)
 
     @classmethod
     def for_target(
