@@ -1,0 +1,424 @@
+"""Weight-only quantised GEMMs: the weight stays packed in memory and is dequantised tile by tile in
+registers, so a decode step reads 4 (INT4) or 8 (FP8) bits per weight instead of 16.
+
+Layouts are the checkpoints' own (ddtree.models.quant is the PyTorch reference), read as published:
+
+  INT4 (compressed-tensors pack-quantized, symmetric): packed int32 [N, ceil(K / 8)], eight 4-bit values
+       a word, low nibble first, each stored as value + 8; scale [N, K / G]. w[n, k] = (q - 8) * scale[n, k // G].
+  FP8 block (DeepSeek-V3): float8_e4m3fn [N, K], scale_inv fp32 [ceil(N / BN), ceil(K / BK)].
+       w[n, k] = fp8[n, k] * scale_inv[n // BN, k // BK].
+
+Activations stay in the model dtype (W4A16, W8A16) and products are summed in fp32. An INT4 weight is
+rounded to the activations' dtype before the dot, as the reference dequantises it in the scale's (the
+model's) dtype; an FP8 weight is exact in bf16 and fp16, and scaled after the dot. One packed int32
+word holds eight consecutive k, so an INT4 K tile is read as [BLOCK_K / 8, BLOCK_N] words and its eight
+nibble planes (k = 8 i + j for plane j) go through eight tl.dot calls of inner size BLOCK_K / 8, against
+the matching stride-8 columns of x: each weight word is loaded once, with no reshapes. G is a multiple of
+8 (or K: per channel), so the eight k of a word share a scale.
+
+One row (a decode step) takes a GEMV path without tl.dot (no padding to 16 rows); few rows use 16-row
+dot tiles. When the output has too few column tiles to fill the GPU, K is split across programs and the
+fp32 partial products summed after. The grouped INT4 GEMM for mixture-of-experts layers mirrors
+ddtree.runtime.moe_kernels.grouped_gemm over align_pairs' blocks. Nothing reads tensor values on the
+host (CUDA-graph capturable). On CPU the same kernels run under TRITON_INTERPRET=1 (the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .kernels import triton
+from .moe_kernels import align_pairs
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _nibbles(words, scale, J: tl.constexpr):
+        """Plane J of a tile of packed words, dequantised to fp32 ((q - 8) * scale)."""
+        return (((words >> (4 * J)) & 0xF) - 8).to(tl.float32) * scale
+
+    @triton.jit
+    def _int4_linear_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        x_s,
+        q_s,
+        s_s,
+        out_s,
+        part_s,
+        G: tl.constexpr,
+        K_SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GEMV: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice (all of K unless split)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(2)
+        i = tl.arange(0, BLOCK_K // 8)
+        m_ok, n_ok = m < M, n < N
+        q_rows = q_ptr + n[None, :].to(tl.int64) * q_s
+        s_rows = s_ptr + n[None, :].to(tl.int64) * s_s
+        x_rows = x_ptr + m[:, None].to(tl.int64) * x_s
+        if GEMV:  # one row: elementwise products, summed once at the end
+            acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            word = (split * K_SPLIT + k0) // 8 + i
+            w_ok = word < (K + 7) // 8
+            tile_ok = w_ok[:, None] & n_ok[None, :]
+            words = tl.load(q_rows + word[:, None], mask=tile_ok, other=0)
+            scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+            for j in tl.static_range(8):
+                w = _nibbles(words, scale, j)
+                kk = word * 8 + j
+                if GEMV:
+                    a = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                    acc += w * a[:, None]
+                else:
+                    a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+                    if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+                        a = a.to(tl.float32)
+                    else:
+                        w = w.to(a.dtype)
+                    acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if GEMV:
+            tl.store(out_ptr + split * part_s + n, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            tl.store(
+                out_ptr + split * part_s + m[:, None].to(tl.int64) * out_s + n[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=m_ok[:, None] & n_ok[None, :],
+            )
+
+    @triton.jit
+    def _fp8_block_linear_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        x_s,
+        w_s,
+        s_s,
+        out_s,
+        part_s,
+        SCALE_N: tl.constexpr,
+        SCALE_K: tl.constexpr,
+        K_SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GEMV: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # as _int4_linear_kernel; BLOCK_K divides SCALE_K, so a K tile has one scale per column, applied to
+        # the tile's product (fp8 is exact in bf16 and fp16: the dot sees the stored weight unrounded)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(2)
+        m_ok, n_ok = m < M, n < N
+        w_rows = w_ptr + n[None, :].to(tl.int64) * w_s
+        s_row = s_ptr + (n // SCALE_N) * s_s
+        x_rows = x_ptr + m[:, None].to(tl.int64) * x_s
+        if GEMV:
+            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            start = split * K_SPLIT + k0
+            kk = start + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            w = tl.load(w_rows + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            scale = tl.load(s_row + start // SCALE_K, mask=n_ok & (start < K), other=0.0)
+            if GEMV:
+                a = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                acc += w.to(tl.float32) * scale[None, :] * a[:, None]
+            else:
+                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+                    a, w = a.to(tl.float32), w.to(tl.float32)
+                else:
+                    w = w.to(a.dtype)
+                acc += tl.dot(a, w, input_precision=PRECISION) * scale[None, :]
+        if GEMV:
+            tl.store(out_ptr + split * part_s + n, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            tl.store(
+                out_ptr + split * part_s + m[:, None].to(tl.int64) * out_s + n[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=m_ok[:, None] & n_ok[None, :],
+            )
+
+    @triton.jit
+    def _grouped_int4_kernel(
+        a_ptr,
+        q_ptr,
+        s_ptr,
+        out_ptr,
+        rows_ptr,
+        block_expert_ptr,
+        N,
+        a_stride,
+        q_stride_e,
+        q_stride_n,
+        s_stride_e,
+        s_stride_n,
+        out_stride,
+        K: tl.constexpr,  # the model's hidden or expert width: one compilation per model
+        G: tl.constexpr,
+        A_DIV: tl.constexpr,
+        SILU_MUL: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # moe_kernels._grouped_gemm_kernel with the expert's weight dequantised from packed INT4
+        block = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + block)
+        if expert < 0:  # past the blocks in use (the grid is sized for the worst case)
+            return
+        pair = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pair >= 0
+        a_rows = a_ptr + tl.where(valid, pair // A_DIV, 0).to(tl.int64)[:, None] * a_stride
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        i = tl.arange(0, BLOCK_K // 8)
+        q_rows = q_ptr + expert.to(tl.int64) * q_stride_e + n[None, :].to(tl.int64) * q_stride_n
+        s_rows = s_ptr + expert.to(tl.int64) * s_stride_e + n[None, :].to(tl.int64) * s_stride_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            word = k0 // 8 + i
+            w_ok = word < (K + 7) // 8
+            tile_ok = w_ok[:, None] & n_ok[None, :]
+            words = tl.load(q_rows + word[:, None], mask=tile_ok, other=0)
+            scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+            if SILU_MUL:  # the up rows follow the N gate rows
+                words_up = tl.load(q_rows + N * q_stride_n + word[:, None], mask=tile_ok, other=0)
+                scale_up = tl.load(s_rows + N * s_stride_n + (word * 8 // G)[:, None], mask=tile_ok, other=0.0)
+                scale_up = scale_up.to(tl.float32)
+            for j in tl.static_range(8):
+                kk = word * 8 + j
+                a = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0.0)
+                w = _nibbles(words, scale, j)
+                if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+                    a = a.to(tl.float32)
+                else:
+                    w = w.to(a.dtype)
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+                if SILU_MUL:
+                    w_up = _nibbles(words_up, scale_up, j)
+                    if not FP32_DOT:
+                        w_up = w_up.to(a.dtype)
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+        if SILU_MUL:  # gate and up rounded to the model dtype first, as the reference MLP has them
+            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = gate * tl.sigmoid(gate) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out_row = tl.where(valid, pair, 0).to(tl.int64)
+        tl.store(
+            out_ptr + out_row[:, None] * out_stride + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=valid[:, None] & n_ok[None, :],
+        )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _groups_fit(k: int, group_size: int) -> bool:
+    """Whole groups, and the eight k of a packed word share a scale (a multiple of 8, or one group)."""
+    return k % group_size == 0 and (group_size % 8 == 0 or group_size == k)
+
+
+def _tiles(rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for `rows` rows: untuned starting points for a memory-bound
+    weight read. One row is a GEMV (BLOCK_M unused); up to 64 rows take the smallest dot tile that holds
+    them, so each weight tile is read by one program or few; wider batches 64-row tiles."""
+    if rows == 1:
+        return 1, 32, 4, 3
+    return (16 if rows <= 16 else 32 if rows <= 32 else 64), 64, 4, 3
+
+
+def _splits(device: torch.device, tiles: int, k_steps: int) -> int:
+    """K splits so that the programs fill the GPU at least twice over, keeping 4+ K steps per split."""
+    splits = 1
+    while tiles * splits < 2 * _sm_count(device) and k_steps >= 8 * splits:
+        splits *= 2
+    return splits
+
+
+def _launch(
+    kernel, x: Tensor, weight: Tensor, scale: Tensor, n_out: int, k: int, block_k: int, split_k: int | None, **meta
+) -> Tensor:
+    """Runs a linear kernel over x [..., K]: tiles from _tiles, K split as asked (None: _splits), the
+    partial products (fp32) summed after."""
+    *lead, _ = x.shape
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    assert x2.stride(-1) == 1 and weight.stride(-1) == 1 and scale.stride(-1) == 1
+    block_m, block_n, warps, stages = _tiles(rows)
+    grid_mn = (triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))
+    k_steps = triton.cdiv(k, block_k)
+    splits = split_k or _splits(x.device, grid_mn[0] * grid_mn[1], k_steps)
+    k_split = triton.cdiv(k_steps, splits) * block_k
+    splits = triton.cdiv(k, k_split)  # no empty splits
+    out = torch.empty(splits, rows, n_out, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    if rows:
+        kernel[(grid_mn[0], grid_mn[1], splits)](
+            x2,
+            weight,
+            scale,
+            out,
+            rows,
+            n_out,
+            k,
+            x2.stride(0),
+            weight.stride(0),
+            scale.stride(0),
+            out.stride(1),
+            out.stride(0),
+            K_SPLIT=k_split,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            GEMV=rows == 1,
+            FP32_DOT=x.device.type == "cpu",
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=warps,
+            num_stages=stages,
+            **meta,
+        )
+    out = out.sum(0).to(x.dtype) if splits > 1 else out[0]
+    return out.view(*lead, n_out)
+
+
+def int4_linear(
+    x: Tensor, packed: Tensor, scale: Tensor, group_size: int, block_k: int | None = None, split_k: int | None = None
+) -> Tensor:
+    """x [..., K] @ w.T for the INT4 weight packed [N, ceil(K / 8)] (int32), scale [N, K / G] (W4A16): [..., N] in
+    x.dtype. block_k: a multiple of 128 (a nibble plane is a dot of inner size block_k / 8); None: 256 for
+    one row, 128 for dot tiles (256 took 200+ registers a thread on sm_90 and spilled at BLOCK_N 128).
+    split_k: K splits (None: enough to fill the GPU)."""
+    k = x.shape[-1]
+    block_k = block_k or (256 if x.numel() == k else 128)
+    n_out = packed.shape[0]
+    assert packed.dtype == torch.int32 and packed.shape[1] == triton.cdiv(k, 8) and _groups_fit(k, group_size)
+    assert scale.shape == (n_out, k // group_size) and block_k % 128 == 0
+    return _launch(_int4_linear_kernel, x, packed, scale, n_out, k, block_k, split_k, G=group_size)
+
+
+def fp8_block_linear(
+    x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = (128, 128), split_k: int | None = None
+) -> Tensor:
+    """x [..., K] @ w.T for the block-scaled FP8 weight [N, K] (float8_e4m3fn), scale_inv [ceil(N / BN),
+    ceil(K / BK)]: [..., N] in x.dtype. Weight-only (W8A16): activations stay in their dtype, the fp8
+    tile is widened in registers (exactly: e4m3 fits in bf16 and fp16) and each 128-wide K tile's
+    product scaled per column, in fp32. Hopper's FP8 tensor cores (activations quantised too) are not
+    used."""
+    k = x.shape[-1]
+    n_out = weight.shape[0]
+    block_n, block_k = block
+    tile_k = min(128, block_k)
+    assert weight.shape[1] == k and block_k % tile_k == 0 and tile_k >= 16 and tile_k & (tile_k - 1) == 0
+    assert scale_inv.shape == (triton.cdiv(n_out, block_n), triton.cdiv(k, block_k))
+    return _launch(
+        _fp8_block_linear_kernel, x, weight, scale_inv, n_out, k, tile_k, split_k, SCALE_N=block_n, SCALE_K=block_k
+    )
+
+
+def grouped_gemm_int4(
+    a: Tensor,
+    packed: Tensor,
+    scale: Tensor,
+    group_size: int,
+    rows: Tensor,
+    block_expert: Tensor,
+    pairs: int,
+    a_div: int,
+    silu_mul: bool = False,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 128,
+) -> Tensor:
+    """moe_kernels.grouped_gemm for INT4 experts: packed [E, N, ceil(K / 8)] (int32), scale [E, N, K / G], or
+    [E, 2 N, ...] with silu_mul (gate rows, then up rows). `block_m` must be align_pairs'."""
+    experts, n_rows, words = packed.shape
+    n = n_rows // 2 if silu_mul else n_rows
+    k = a.shape[-1]
+    assert a.stride(-1) == 1 and packed.stride(-1) == 1 and scale.stride(-1) == 1 and block_k % 128 == 0
+    assert packed.dtype == torch.int32 and words == triton.cdiv(k, 8) and _groups_fit(k, group_size)
+    assert scale.shape == (experts, n_rows, k // group_size)
+    out = torch.zeros(pairs, n, dtype=a.dtype, device=a.device)
+    grid = (block_expert.shape[0], triton.cdiv(n, block_n))
+    _grouped_int4_kernel[grid](
+        a,
+        packed,
+        scale,
+        out,
+        rows,
+        block_expert,
+        n,
+        a.stride(0),
+        packed.stride(0),
+        packed.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        out.stride(0),
+        K=k,
+        G=group_size,
+        A_DIV=a_div,
+        SILU_MUL=silu_mul,
+        FP32_DOT=a.device.type == "cpu",
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return out
+
+
+def moe_experts_int4(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    gate_up_packed: Tensor,
+    gate_up_scale: Tensor,
+    down_packed: Tensor,
+    down_scale: Tensor,
+    group_size: int,
+    first_expert: int = 0,
+) -> Tensor:
+    """moe_kernels.moe_experts for INT4 experts: gate_up_packed [E, 2 I, H / 8] with gate_up_scale
+    [E, 2 I, H / G], down_packed [E, H, I / 8] with down_scale [E, H, I / G]."""
+    tokens, top_k = ids.shape
+    experts = gate_up_packed.shape[0]
+    rows, block_expert = align_pairs(ids - first_expert, experts, block_m=16)
+    pairs = tokens * top_k
+    act = grouped_gemm_int4(
+        x, gate_up_packed, gate_up_scale, group_size, rows, block_expert, pairs, a_div=top_k, silu_mul=True
+    )
+    down = grouped_gemm_int4(act, down_packed, down_scale, group_size, rows, block_expert, pairs, a_div=1)
+    # the k products summed in fp32, rounded once
+    return (down.view(tokens, top_k, -1).float() * weights[..., None].float()).sum(dim=1).to(x.dtype)

@@ -1,0 +1,210 @@
+"""The weight-only quantised GEMMs (ddtree.runtime.quant_kernels) against fp32 matmuls with the weight
+dequantised by the PyTorch reference (ddtree.models.quant), packed by compressed-tensors' own packer.
+
+The Triton kernels run on CPU under the interpreter (marker `triton_interpreter`, their own pytest run:
+`make test-triton-interpreter`) and compiled on a GPU (`gpu`)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+from ddtree.models.quant import dequantize_fp8_block, dequantize_int4
+from ddtree.runtime.moe_kernels import moe_experts
+from ddtree.runtime.quant_kernels import fp8_block_linear, int4_linear, moe_experts_int4
+
+interp = pytest.mark.triton_interpreter
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
+
+
+def int4_weight(g, shape, group, scale_dtype):
+    """(packed int32 [..., N, ceil(K / 8)], scale [..., N, K / G], the dequantised weight in fp32) of random
+    symmetric INT4 values, scaled to about unit-variance outputs. The scale's dtype is the model's, as
+    quant.Int4Linear casts it (and the reference dequantises in it)."""
+    *lead, n, k = shape
+    q = torch.randint(-8, 8, shape, generator=g, dtype=torch.int8)
+    scale = ((torch.rand(*lead, n, k // group, generator=g) + 0.5) / (3 * k**0.5)).to(scale_dtype)
+    packed = pack_to_int32(q.reshape(-1, k), 4).reshape(*lead, n, -(-k // 8))
+    dense = dequantize_int4(packed, scale, k, group, torch.float32)
+    return packed, scale, dense.reshape(shape)
+
+
+def fp8_weight(g, n, k, block):
+    w = torch.randn(n, k, generator=g).to(torch.float8_e4m3fn)
+    scale_inv = (torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.5) / k**0.5
+    return w, scale_inv, dequantize_fp8_block(w, scale_inv, block, torch.float32)
+
+
+def check_close(got, exact, dtype):
+    assert got.dtype == dtype and got.shape == exact.shape
+    err = (got.float() - exact).norm() / exact.norm()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err  # bf16: rounding of the output (and weight)
+
+
+def test_the_int4_layout_is_compressed_tensors_pack_quantized():
+    """Low nibble first, value + 8: what the kernels read, checked on the packer's own output."""
+    q = torch.tensor([[-8, -1, 0, 1, 2, 3, 4, 7]], dtype=torch.int8)
+    word = int(pack_to_int32(q, 4)[0, 0]) & 0xFFFFFFFF
+    assert [(word >> (4 * j)) & 0xF for j in range(8)] == (q[0].int() + 8).tolist()
+    dense = dequantize_int4(pack_to_int32(q, 4), torch.ones(1, 1), 8, 8, torch.float32)
+    assert dense.tolist() == q.float().tolist()
+
+
+INT4_CASES = [  # (N, K, group): groups narrower than a K tile and a partial one, whole tiles, per channel
+    (40, 96, 32),
+    (72, 256, 128),
+    (24, 384, 384),
+    (17, 100, 100),  # per channel, K not a multiple of 8: a partial last word
+]
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", INT4_CASES)
+@pytest.mark.parametrize("rows", [1, 9, 33])
+def test_int4_linear(rows, case, dtype):
+    n, k, group = case
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    packed, scale, dense = int4_weight(g, (n, k), group, dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    check_close(int4_linear(x, packed, scale, group), x.float() @ dense.T, dtype)
+
+
+@interp
+@pytest.mark.parametrize("rows", [1, 9])
+def test_int4_linear_split_k_and_leading_dims(rows):
+    """K split over programs (the last split shorter), x with leading dims."""
+    g = torch.Generator().manual_seed(rows)
+    packed, scale, dense = int4_weight(g, (48, 640), 32, torch.float32)
+    x = torch.randn(1, rows, 640, generator=g)
+    for split_k in (2, 3):
+        check_close(int4_linear(x, packed, scale, 32, split_k=split_k), x @ dense.T, torch.float32)
+
+
+FP8_CASES = [  # (N, K, block): one partial block, partial blocks both ways, whole blocks, smaller blocks
+    (40, 96, (128, 128)),
+    (200, 300, (128, 128)),
+    (256, 384, (128, 128)),
+    (72, 200, (64, 32)),
+]
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("rows", [1, 9, 33])
+def test_fp8_block_linear(rows, case, dtype):
+    n, k, block = case
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    w, scale_inv, dense = fp8_weight(g, n, k, block)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    check_close(fp8_block_linear(x, w, scale_inv, block), x.float() @ dense.T, dtype)
+
+
+@interp
+@pytest.mark.parametrize("rows", [1, 9])
+def test_fp8_block_linear_split_k(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, scale_inv, dense = fp8_weight(g, 72, 600, (128, 128))
+    x = torch.randn(rows, 600, generator=g)
+    for split_k in (2, 4):
+        check_close(fp8_block_linear(x, w, scale_inv, split_k=split_k), x @ dense.T, torch.float32)
+
+
+def moe_reference(x, weights, ids, w_gate_up, w_down, first_expert, dtype):
+    """Per (token, choice) on dense weights, gate, up, silu(gate) * up and the down projection each
+    rounded to `dtype` as the reference MLP has them; the weighted sum in fp32."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = w_down.shape[-1]
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - first_expert
+            if not 0 <= e < w_gate_up.shape[0]:
+                continue
+            gate_up = (x[t].float() @ w_gate_up[e].T).to(dtype)
+            act = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weights[t, j].float() * (act.float() @ w_down[e].T).to(dtype).float()
+    return out
+
+
+def check_moe_experts_int4(device, dtype, tokens, top_k, experts, hidden, inter, group, first_expert):
+    g = torch.Generator().manual_seed(tokens * 131 + experts)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    total = experts + first_expert + 2  # the model's experts; this rank holds `experts` of them
+    ids = torch.stack([torch.randperm(total, generator=g)[:top_k] for _ in range(tokens)])
+    ids[:, 0] = torch.where(((ids >= first_expert) & (ids < first_expert + experts)).any(1), ids[:, 0], first_expert)
+    weights = torch.rand(tokens, top_k, generator=g).to(dtype)
+    gu_packed, gu_scale, gu_dense = int4_weight(g, (experts, 2 * inter, hidden), group, dtype)
+    down_packed, down_scale, down_dense = int4_weight(g, (experts, hidden, inter), group, dtype)
+    got = moe_experts_int4(
+        *(t.to(device) for t in (x, weights, ids, gu_packed, gu_scale, down_packed, down_scale)), group, first_expert
+    ).cpu()
+    assert got.shape == (tokens, hidden) and got.dtype == dtype
+    exact = moe_reference(x, weights, ids, gu_dense, down_dense, first_expert, torch.float32)
+    err = (got.float() - exact).norm() / exact.norm()
+    # the dense grouped GEMM on the dequantised weights, as a model without quantisation runs it
+    dense = moe_experts(
+        *(t.to(device) for t in (x, weights, ids, gu_dense.to(dtype), down_dense.to(dtype))), first_expert
+    ).cpu()
+    if dtype == torch.float32:
+        assert err < 1e-5, err
+        torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
+    else:  # no less accurate than the reference MLP in the same dtype (to 2.5x: other rounding points)
+        err_reference = (moe_reference(x, weights, ids, gu_dense, down_dense, first_expert, dtype) - exact).norm()
+        assert err <= 2.5 * err_reference / exact.norm() + 1e-3, (err, err_reference / exact.norm())
+        assert (got.float() - dense.float()).norm() / exact.norm() < 1e-2
+
+
+# (tokens, top_k, experts, hidden, inter, group, first expert): decode, ragged, a verify tree, a rank's share
+MOE_CASES = [
+    (1, 2, 4, 64, 32, 32, 0),
+    (5, 2, 6, 96, 64, 32, 0),
+    (17, 4, 8, 128, 128, 128, 0),
+    (9, 3, 4, 64, 32, 32, 4),
+]
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the interpreter truncates, the GPU test
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_moe_experts_int4(dtype, case):
+    check_moe_experts_int4("cpu", dtype, *case)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_kernels_compiled(dtype):
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 9, 33, 65, 300):
+        for n, k, group in INT4_CASES + [(2048, 7168, 32), (7168, 2048, 128)]:
+            packed, scale, dense = int4_weight(g, (n, k), group, dtype)
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            got = int4_linear(x.cuda(), packed.cuda(), scale.cuda(), group).cpu()
+            check_close(got, x.float() @ dense.T, dtype)
+        for n, k, block in FP8_CASES + [(2048, 7168, (128, 128)), (7168, 2112, (128, 128))]:
+            w, scale_inv, dense = fp8_weight(g, n, k, block)
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            check_close(fp8_block_linear(x.cuda(), w.cuda(), scale_inv.cuda(), block).cpu(), x.float() @ dense.T, dtype)
+    for case in MOE_CASES + [(65, 8, 64, 1024, 256, 32, 0), (8, 8, 32, 7168, 2048, 32, 0)]:
+        check_moe_experts_int4("cuda", dtype, *case)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_moe_experts_int4_replay_from_a_cuda_graph_with_new_routing():
+    """Captured once, replayed after the routing changed in place: the same as running it eagerly."""
+    g = torch.Generator().manual_seed(0)
+    tokens, top_k, experts, hidden, inter, group = 9, 4, 16, 256, 128, 32
+    x = torch.randn(tokens, hidden, generator=g).cuda().bfloat16()
+    weights = torch.rand(tokens, top_k, generator=g).cuda().bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).cuda()
+    quant = [t.cuda() for t in int4_weight(g, (experts, 2 * inter, hidden), group, torch.bfloat16)[:2]]
+    quant += [t.cuda() for t in int4_weight(g, (experts, hidden, inter), group, torch.bfloat16)[:2]]
+    moe_experts_int4(x, weights, ids, *quant, group)  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts_int4(x, weights, ids, *quant, group)
+    ids.copy_(torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).cuda())
+    graph.replay()
+    torch.testing.assert_close(out, moe_experts_int4(x, weights, ids, *quant, group))
