@@ -5,13 +5,14 @@ transformers', and the published configs parse with every field accounted for.""
 
 import json
 import pathlib
+import re
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from ddtree.models.deepseek_v3 import LatentCache, ModelConfig, Transformer
+from ddtree.models.deepseek_v3 import LatentCache, ModelConfig, Transformer, quantization_error
 from ddtree.models.layers import rope_attention_factor, rope_inv_freq
 from ddtree.models.registry import config_from_hf, family_for, load_pretrained
 from ddtree.runtime.engine import Engine, SamplingParams
@@ -192,7 +193,7 @@ def test_yarn_equals_transformers():
     assert torch.equal(rope_inv_freq(64, 1e4, equal), rope_inv_freq(64, 1e4, equal, applies_attention_factor=True))
 
 
-def test_router_correction_bias_stays_fp32_and_quantized_checkpoints_are_refused(tmp_path):
+def test_router_correction_bias_stays_fp32_and_unsupported_quantization_is_refused(tmp_path):
     hf = hf_model(layers=2)
     hf.save_pretrained(tmp_path)
     model = load_pretrained(tmp_path, torch.bfloat16, "cpu")
@@ -201,20 +202,29 @@ def test_router_correction_bias_stays_fp32_and_quantized_checkpoints_are_refused
     assert torch.equal(gate.e_score_correction_bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
     model.to(torch.float16)
     assert gate.e_score_correction_bias.dtype == torch.float32
-    # a quantization_config is accepted by the config, not by the loader
+    # a supported quantization_config loads (here over bf16 tensors: nothing to dequantize); others are refused
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert config_from_hf(config).quantization["quant_method"] == "fp8"
-    with pytest.raises(ValueError, match=r"is quantized \(fp8 e4m3.*not implemented yet"):
+    assert quantization_error(tmp_path, config["quantization_config"]) is None
+    load_pretrained(tmp_path, torch.float32, "cpu")
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    message = r"unsupported quantization: compressed-tensors nvfp4-pack-quantized \(supported: "
+    assert re.search(message, quantization_error(tmp_path, config["quantization_config"]))
+    with pytest.raises(ValueError, match=message):
         load_pretrained(tmp_path, torch.float32, "cpu")
     # quantized tensors without a quantization_config are refused too, not cast
     del config["quantization_config"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     state = load_file(tmp_path / "model.safetensors")
     state["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+    assert "weight_scale_inv" in quantization_error(tmp_path, None, state)
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="quantized tensors .*weight_scale_inv"):
+    with pytest.raises(
+        ValueError, match="o_proj.weight_scale_inv' is quantized but the config has no quantization_config"
+    ):
         load_pretrained(tmp_path, torch.float32, "cpu")
 
 

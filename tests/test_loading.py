@@ -504,6 +504,6 @@ def test_random_models_repeat_the_last_token_by_a_wide_margin(shape, overrides):
     assert torch.equal(logits.argmax(-1), ids[0])
     assert (top[:, 0] - top[:, 1]).min() > 5.0
     assert torch.equal(greedy(model.to(torch.bfloat16)).argmax(-1), ids[0])
-    known = "qwen3-8b, qwen3-30b-a3b, kimi-k2.6-3layers, tiny"
+    known = "qwen3-8b, qwen3-30b-a3b, kimi-k2.6-3layers, tiny, kimi-k2.6-int4-3layers"
     with pytest.raises(ValueError, match=rf"unknown random shape 'qwen9' \(known: {known}\)"):
         random.random_config("random:qwen9")

@@ -5,10 +5,10 @@ Settings come from three places, in rising precedence: the dataclass defaults be
 (`EngineConfig.from_args`: the engine flags have no argparse defaults, so an untyped flag never hides a
 file value). The file uses the field names of the dataclasses, one section per dataclass:
 
-    model:       {id, revision, drafter, drafter_revision, dtype, device}
+    model:       {id, revision, drafter, drafter_revision, dtype, device, trust_remote_code}
     speculation: {method, budget, block_size}
     kernels:     {backend, graphs, batch_buckets}
-    parallel:    {tensor_parallel, replicate_drafter}
+    parallel:    {tensor_parallel, expert_parallel, replicate_drafter}
     serving:     {host, port, max_batch_size, max_seq_len, max_waiting, served_model_name, termination_log}
 
 Defaults and validation live here; a bad value raises `ConfigError`, one line naming the field (the flag
@@ -59,6 +59,8 @@ class ModelRef:
     drafter_revision: str | None = None
     dtype: str | None = None  # float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)
     device: str | None = None  # cpu / cuda / cuda:N (default: cuda when available)
+    # run the checkpoint's own tokenizer code (Kimi's tiktoken tokenizer ships as tokenization_kimi.py)
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class KernelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel: int = 1
+    # ranks the routed experts are split over, whole experts per rank (default: all of tensor_parallel);
+    # 1 splits every expert's width over the ranks instead, like a dense MLP
+    expert_parallel: int | None = None
     replicate_drafter: bool = False
 
 
@@ -123,7 +128,9 @@ FLAGS = {
     "no_graphs": "kernels.graphs",
     "batch_buckets": "kernels.batch_buckets",
     "tensor_parallel": "parallel.tensor_parallel",
+    "expert_parallel": "parallel.expert_parallel",
     "replicate_drafter": "parallel.replicate_drafter",
+    "trust_remote_code": "model.trust_remote_code",
     "host": "serving.host",
     "port": "serving.port",
     "max_batch_size": "serving.max_batch_size",
@@ -338,6 +345,11 @@ class EngineConfig:
             raise ConfigError(f"{n('kernels.backend')} must be one of {', '.join(KERNEL_CHOICES)}, got '{k.backend}'")
         if p.tensor_parallel < 1:
             raise ConfigError(f"{n('parallel.tensor_parallel')} must be >= 1, got {p.tensor_parallel}")
+        if p.expert_parallel is not None and p.expert_parallel not in (1, p.tensor_parallel):
+            raise ConfigError(
+                f"{n('parallel.expert_parallel')} must be 1 or {n('parallel.tensor_parallel')} "
+                f"({p.tensor_parallel}), got {p.expert_parallel}"
+            )
         if p.replicate_drafter and p.tensor_parallel == 1 and "WORLD_SIZE" not in os.environ:
             raise ConfigError(f"{n('parallel.replicate_drafter')} needs {n('parallel.tensor_parallel')} > 1")
         if v.max_batch_size < 1:
@@ -410,10 +422,11 @@ def _flags(*dests: str) -> dict[str, str]:
     return {d: FLAGS[d] for d in dests}
 
 
-_MODEL_FLAGS = ("model", "drafter", "device", "dtype", "kernels")
-GENERATE_FLAGS = _flags(*_MODEL_FLAGS, "method", "budget", "max_seq_len", "tensor_parallel", "replicate_drafter")
+_MODEL_FLAGS = ("model", "drafter", "device", "dtype", "kernels", "trust_remote_code")
+_PARALLEL_FLAGS = ("tensor_parallel", "expert_parallel", "replicate_drafter")
+GENERATE_FLAGS = _flags(*_MODEL_FLAGS, "method", "budget", "max_seq_len", *_PARALLEL_FLAGS)
 SMOKE_FLAGS = {
     **_flags(*_MODEL_FLAGS, "method", "budget", "max_seq_len", "termination_log", "no_graphs"),
     "batch_sizes": "kernels.batch_buckets",
 }
-BENCH_FLAGS = _flags(*_MODEL_FLAGS, "tensor_parallel", "replicate_drafter")
+BENCH_FLAGS = _flags(*_MODEL_FLAGS, *_PARALLEL_FLAGS)

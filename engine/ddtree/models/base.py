@@ -4,11 +4,14 @@ from a Hugging Face-layout folder, and the fused-module backend reset on moves.
 
 A family's `Transformer` subclasses `CausalLM` and brings its `config_class`, its layers (under
 `self.model`: `embed_tokens`, `layers`, `norm`), `setup_caches`, `cache_storage`, `compact`,
-`shard_layers`, and, where it differs, `rope` and `checkpoint_state`.
+`shard_layers`, and, where it differs, `rope`, `checkpoint_names` and `keep_dtype`.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -92,31 +95,127 @@ class CausalLM(nn.Module):
         tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         return (self.logits(h) if logits else h), tapped
 
-    @classmethod
-    def checkpoint_state(cls, folder, cfg, dtype: torch.dtype) -> dict[str, Tensor]:
-        """The tensors of a folder under this family's parameter names, floating ones in `dtype`."""
-        from .checkpoint import load_state_dict
-
-        return load_state_dict(folder, dtype=dtype)
+    # floating tensors that keep their checkpoint dtype (name suffixes): FP8 block scales are fp32
+    keep_dtype: ClassVar[tuple[str, ...]] = ("weight_scale_inv",)
 
     @classmethod
-    def from_pretrained(cls, folder, dtype: torch.dtype = torch.float32, device="cpu"):
-        """Load an HF-layout folder (config.json + safetensors, sharded or not)."""
-        from .checkpoint import load_config
+    def checkpoint_names(cls, keys, cfg) -> dict[str, str]:
+        """{our parameter name: checkpoint tensor name} of the checkpoint tensors this family loads
+        (families with other names, or tensors they do not run, override this)."""
+        return {k: k for k in keys}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        shard: Callable[[CausalLM], Any] | None = None,
+        label: str = "",
+    ):
+        """Load an HF-layout folder (config.json + safetensors, sharded or not). The model is built on the
+        meta device, `shard` (runtime.parallel.shard for this rank) then cuts it, and only then are the
+        tensors read: each one, or the slice this rank keeps, straight to `device`. Quantized weights
+        (models/quant.py) load as published."""
+        from .checkpoint import SafetensorsFolder, load_config
+        from .quant import parse_quantization, quantize_modules
 
         cfg = cls.config_class.from_hf(load_config(folder))
-        state = cls.checkpoint_state(folder, cfg, dtype)
+        stored = SafetensorsFolder(folder)
+        names = cls.checkpoint_names(stored.tensors, cfg)
         if cfg.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
+            names.pop("lm_head.weight", None)
         with torch.device("meta"):
             model = cls(cfg)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+        quantize_modules(model, parse_quantization(getattr(cfg, "quantization", None)), names)
+        expected = set(model.state_dict())
+        if cfg.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing, unexpected = sorted(expected - set(names)), sorted(set(names) - expected)
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
+        for name, t in model.state_dict(keep_vars=True).items():
+            if name in names:  # a tied weight keeps the name it is stored under
+                t.checkpoint_name = name  # type: ignore[attr-defined]
+        if shard is not None:
+            shard(model)
+        read_weights(model, stored, names, dtype, device, cls.keep_dtype, label)
         model.inv_freq = torch.empty(0)  # set by setup_caches
         return model.to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def read_weights(model: nn.Module, stored, names: dict[str, str], dtype, device, keep_dtype, label: str = "") -> None:
+    """Replace every meta tensor of `model` that has a checkpoint name by the stored tensor, or by the
+    slice keep_rows / keep_cols recorded on it, read straight to `device`; floating tensors in `dtype`
+    but FP8 and the `keep_dtype` suffixes. Shows progress (tensors, bytes, rate) when it takes a while."""
+    progress = LoadProgress(label, sum(stored.tensors[names[n]].nbytes for n in _named(model)))
+    loaded: dict[int, Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for local, t in table.items():
+                if t is None or t.device.type != "meta" or not hasattr(t, "checkpoint_name"):
+                    continue
+                if id(t) not in loaded:
+                    name = t.checkpoint_name
+                    data = stored.read(names[name], getattr(t, "checkpoint_slice", None))
+                    if _exact(t) and data.dtype != t.dtype:  # quantized weights are taken as published
+                        if data.is_floating_point() or t.is_floating_point():
+                            raise ValueError(f"checkpoint tensor {names[name]} is {data.dtype}, expected {t.dtype}")
+                        data = data.to(t.dtype)  # an integer shape or index tensor
+                    if data.is_floating_point() and not _exact(t) and not name.endswith(keep_dtype):
+                        data = data.to(dtype)
+                    data = data.to(device)
+                    if getattr(t, "zeroed", False):
+                        data.zero_()
+                    if data.shape != t.shape:
+                        raise ValueError(
+                            f"checkpoint tensor {names[name]} has shape {tuple(data.shape)}, expected {tuple(t.shape)}"
+                        )
+                    loaded[id(t)] = (
+                        nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+                    )
+                    progress.add(data.nbytes)
+                table[local] = loaded[id(t)]  # type: ignore[assignment]  # a buffer's table holds tensors
+    progress.done()
+
+
+def _exact(t: Tensor) -> bool:
+    """Whether a tensor keeps the checkpoint's dtype exactly: integers (packed INT4, shapes) and FP8."""
+    return not t.is_floating_point() or t.dtype.itemsize == 1
+
+
+def _named(model: nn.Module) -> set[str]:
+    """The checkpoint names of the model's meta tensors (each tensor once)."""
+    return {t.checkpoint_name for t in model.state_dict(keep_vars=True).values() if hasattr(t, "checkpoint_name")}
+
+
+class LoadProgress:
+    """One stderr line every few seconds while weights load (and a summary), when loading is slow enough
+    to wonder about."""
+
+    EVERY = 5.0
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total = label or "loading", total
+        self.bytes = self.tensors = 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.tensors += 1
+        now = time.monotonic()
+        if now - self.last >= self.EVERY:
+            self.last = now
+            print(f"{self.label}: {self._line(now)}", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        now = time.monotonic()
+        if now - self.start >= self.EVERY:
+            print(f"{self.label}: loaded {self._line(now)}", file=sys.stderr, flush=True)
+
+    def _line(self, now: float) -> str:
+        rate = self.bytes / max(now - self.start, 1e-9) / 1e9
+        return f"{self.tensors} tensors, {self.bytes / 1e9:.2f} of {self.total / 1e9:.2f} GB ({rate:.2f} GB/s)"

@@ -237,3 +237,106 @@ def load_state_dict(folder, dtype=None, device="cpu") -> dict[str, torch.Tensor]
                 # Only floating weights change dtype; integer buffers (if any) keep theirs.
                 state[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return state
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_READ_CHUNK = 64 << 20  # bytes read at once for a column slice (bounds the transient host memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    file: pathlib.Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def weight_files(folder) -> list[pathlib.Path]:
+    """model.safetensors, the shards named by model.safetensors.index.json, or *.safetensors."""
+    folder = pathlib.Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            files = sorted({folder / name for name in json.load(f)["weight_map"].values()})
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {folder}")
+    return files
+
+
+class SafetensorsFolder:
+    """The tensors of a checkpoint folder, read on demand: a tensor, or the rows or columns one rank keeps,
+    with plain reads (no memory map, so a rank's resident memory holds only what it asked for). Only the
+    files' headers are read up front."""
+
+    def __init__(self, folder) -> None:
+        self.folder = pathlib.Path(folder)
+        self.tensors: dict[str, StoredTensor] = {}
+        for file in weight_files(self.folder):
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                if meta["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise ValueError(f"{file.name}: tensor {name} has an unsupported dtype {meta['dtype']}")
+                start = meta["data_offsets"][0]
+                self.tensors[name] = StoredTensor(
+                    file, _SAFETENSORS_DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + size + start
+                )
+
+    def read(self, name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor `name`, or with part = (dim, start, length) its rows (dim 0) or columns (dim 1)
+        [start, start + length)."""
+        t = self.tensors[name]
+        if part is None or t.shape[part[0]] == part[2]:
+            return self._read_rows(t, 0, t.shape[0] if t.shape else 1).reshape(t.shape)
+        dim, start, length = part
+        if dim == 0:
+            return self._read_rows(t, start, length)
+        rows, row_bytes = t.shape[0], t.nbytes // t.shape[0]
+        out = torch.empty(rows, length, *t.shape[2:], dtype=t.dtype)
+        step = max(1, _READ_CHUNK // row_bytes)
+        for first in range(0, rows, step):
+            block = self._read_rows(t, first, min(step, rows - first))
+            out[first : first + block.shape[0]] = block[:, start : start + length]
+        return out
+
+    def _read_rows(self, t: StoredTensor, first: int, count: int) -> torch.Tensor:
+        row_bytes = t.nbytes // t.shape[0] if t.shape else t.nbytes
+        buf = bytearray(count * row_bytes)
+        with open(t.file, "rb", buffering=0) as f:
+            f.seek(t.offset + first * row_bytes)
+            view, done = memoryview(buf), 0
+            while done < len(buf):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{t.file} is truncated")
+                done += n
+        if not buf:
+            return torch.empty(0, *t.shape[1:], dtype=t.dtype)
+        return torch.frombuffer(buf, dtype=t.dtype).reshape(count, *t.shape[1:])

@@ -55,8 +55,11 @@ from .layers import (
     rope_kind,
     shard_mlp,
     yarn_mscale,
+    zero_unless_first,
 )
 from .moe import GroupLimitedSigmoid, SparseMoE, shard_experts
+from .quant import linear_weight
+from .quant_config import QUANTIZED_TENSOR, parse_quantization
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25")
 
@@ -299,13 +302,17 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
-    def split_sizes(self) -> dict[str, int]:
-        """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
+    def split_sizes(self, whole_experts: bool = True) -> dict[str, int]:
+        """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number);
+        whole_experts: routed experts split whole (expert parallelism), else each expert's width."""
         sizes = {"attention heads": self.num_attention_heads, "vocabulary": self.vocab_size}
         if self.first_k_dense_replace > 0:
             sizes["MLP width"] = self.intermediate_size
         if self.num_hidden_layers > self.first_k_dense_replace:
-            sizes["routed experts"] = self.n_routed_experts
+            if whole_experts:
+                sizes["routed experts"] = self.n_routed_experts
+            else:
+                sizes["expert width"] = self.moe_intermediate_size
             if self.n_shared_experts:
                 sizes["shared experts width"] = self.n_shared_experts * self.moe_intermediate_size
         return sizes
@@ -473,7 +480,8 @@ class Attention(StepAttention):
 
     def _kv_b(self) -> tuple[Tensor, Tensor]:
         """kv_b_proj's weight per head: W_uk [heads, nope, kv_lora_rank] and W_uv [heads, v, kv_lora_rank] (views)."""
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        w = linear_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype)
+        w = w.view(self.n_heads, self.nope + self.v_dim, self.rank)
         return w[:, : self.nope], w[:, self.nope :]
 
     def rotate_and_cache(
@@ -539,45 +547,41 @@ _RENAMES = (
     ("model.language_model.", "model."),
 )
 _VISION = re.compile(r"^(model\.)?(vision_tower|mm_projector|multi_modal_projector)\.")
-_QUANTIZED = re.compile(r"(weight_scale_inv|weight_scale|weight_packed|weight_shape|weight_zero_point|input_scale)$")
+_QUANTIZED = QUANTIZED_TENSOR  # names only quantized checkpoints hold
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def quantization_error(folder, quantization: dict | None, state: dict[str, Tensor] | None = None) -> str | None:
-    """Why a checkpoint cannot load (quantized weights: not implemented yet), or None."""
-    if quantization is not None:
-        method = quantization.get("quant_method", "?")
-        detail = quantization.get("fmt") or quantization.get("format") or ""
-        return (
-            f"checkpoint {folder} is quantized ({method}{' ' + detail if detail else ''}, quantization_config): "
-            "loading FP8 / INT4 weights is not implemented yet; use a dequantized (bf16) copy"
-        )
+    """Why a checkpoint cannot load, or None: a quantization_config of a scheme not supported
+    (quant_config.parse_quantization's message), or quantized tensors without a quantization_config."""
+    if quantization:
+        try:
+            parse_quantization(quantization)
+        except ValueError as e:
+            return f"checkpoint {folder}: {e}"
+        return None
     if state is not None:
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
         odd = [k for k, t in state.items() if _QUANTIZED.search(k) or t.dtype in fp8]
         if odd:
-            return f"checkpoint {folder} holds quantized tensors ({odd[0]}, ...): not implemented yet"
+            return f"checkpoint {folder} holds quantized tensors ({odd[0]}, ...) without a quantization_config"
     return None
 
 
-def checkpoint_state(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """The published checkpoint's tensors under this module's names: Kimi K2.5's language-model prefix
-    stripped, its vision tower and projector dropped, and the multi-token-prediction layers (num_hidden_layers
-    .. + num_nextn_predict_layers, not run here) dropped."""
-    out = {}
-    mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-    for name, t in state.items():
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        if _VISION.match(name):
-            continue
-        layer = _LAYER.match(name)
-        if layer and int(layer.group(1)) in mtp:
-            continue
-        out[name] = t
-    return out
+def checkpoint_name(name: str, cfg: ModelConfig) -> str | None:
+    """A published checkpoint tensor's name here: Kimi K2.5's language-model prefix stripped; None for its
+    vision tower and projector and for the multi-token-prediction layers (num_hidden_layers ..
+    + num_nextn_predict_layers), which are not run here."""
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    if _VISION.match(name):
+        return None
+    layer = _LAYER.match(name)
+    if layer and cfg.num_hidden_layers <= int(layer.group(1)) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
+        return None
+    return name
 
 
 class Transformer(CausalLM):
@@ -611,7 +615,7 @@ class Transformer(CausalLM):
                 gate.e_score_correction_bias = bias.to(gate.e_score_correction_bias.device, torch.float32)
         return out
 
-    def shard_layers(self, tp: Collectives) -> None:
+    def shard_layers(self, tp: Collectives, whole_experts: bool = True) -> None:
         """Keep this rank's attention heads (q_b_proj / q_proj and kv_b_proj rows, o_proj columns), its
         routed experts and its share of the shared experts and dense MLPs. q_a / kv_a projections, their
         norms, the routers and the latent cache stay replicated (every rank computes the same latents)."""
@@ -623,11 +627,11 @@ class Transformer(CausalLM):
             keep_rows(q.weight, rank, heads * cfg.qk_head_dim)
             keep_rows(attn.kv_b_proj.weight, rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
             keep_cols(attn.o_proj.weight, rank, heads * cfg.v_head_dim)
-            if attn.o_proj.bias is not None and rank > 0:
-                attn.o_proj.bias.data.zero_()  # added once, by rank 0, before the all-reduce
+            if attn.o_proj.bias is not None:
+                zero_unless_first(attn.o_proj.bias, rank)
             attn.n_heads, attn.tp = heads, tp
             if isinstance(layer.mlp, SparseMoE):
-                shard_experts(layer.mlp, tp)  # whole experts per rank, router replicated, shared split
+                shard_experts(layer.mlp, tp, whole_experts)  # router replicated, shared experts split
             elif isinstance(layer.mlp, MLP):
                 shard_mlp(layer.mlp, tp, cfg.intermediate_size // world)
             else:
@@ -654,24 +658,18 @@ class Transformer(CausalLM):
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype, self.rope_factor)
 
-    @classmethod
-    def checkpoint_state(cls, folder, cfg, dtype: torch.dtype) -> dict[str, Tensor]:
-        """The checkpoint under our names (Kimi K2.5's language model renamed, vision and multi-token
-        prediction dropped), floating tensors in `dtype` but the routers' fp32 correction biases; refuses
-        quantized checkpoints."""
-        from .checkpoint import load_state_dict
+    # the routers' correction biases stay fp32 (they decide near-ties), as do FP8 block scales
+    keep_dtype = ("e_score_correction_bias", "weight_scale_inv")
 
-        error = quantization_error(folder, cfg.quantization)
-        if error:
-            raise ValueError(error)
-        state = checkpoint_state(load_state_dict(folder), cfg)
-        error = quantization_error(folder, None, state)
-        if error:
-            raise ValueError(error)
-        return {
-            k: t.to(dtype) if t.is_floating_point() and not k.endswith("e_score_correction_bias") else t
-            for k, t in state.items()
-        }
+    @classmethod
+    def checkpoint_names(cls, keys, cfg) -> dict[str, str]:
+        """Kimi K2.5's language model renamed; vision and multi-token prediction left unread."""
+        names = {}
+        for key in keys:
+            name = checkpoint_name(key, cfg)
+            if name is not None:
+                names[name] = key
+        return names
 
     def compact(self, src: Tensor, dst: Tensor) -> None:
         """Copy cache slots src [bs, n] to dst [bs, n] in every layer (an accepted tree path moves to the

@@ -274,12 +274,23 @@ class MLP(nn.Module):
 
 
 def keep_rows(p: Tensor, rank: int, n: int) -> None:
-    """Keep rows [rank * n, (rank + 1) * n) of a parameter, in place."""
+    """Keep rows [rank * n, (rank + 1) * n) of a parameter, in place. On a model still on the meta device
+    (sharded before its weights are read) this records the slice, so that loading reads only it."""
     p.data = p.data[rank * n : (rank + 1) * n].clone()
+    p.checkpoint_slice = (0, rank * n, n)  # type: ignore[attr-defined]
 
 
 def keep_cols(p: Tensor, rank: int, n: int) -> None:
     p.data = p.data[:, rank * n : (rank + 1) * n].clone()
+    p.checkpoint_slice = (1, rank * n, n)  # type: ignore[attr-defined]
+
+
+def zero_unless_first(p: Tensor, rank: int) -> None:
+    """A bias added after an all-reduce is kept by rank 0 only (the sum adds it once); recorded like
+    keep_rows, for loading."""
+    if rank > 0:
+        p.data.zero_()
+        p.zeroed = True  # type: ignore[attr-defined]
 
 
 def shard_mlp(mlp: MLP, tp: Collectives, inter: int) -> None:
@@ -305,7 +316,7 @@ def shard_attention(attn, tp: Collectives, hq: int, hkv: int) -> None:
         if proj.bias is not None:
             keep_rows(proj.bias, rank, heads * hd)
     keep_cols(attn.o_proj.weight, rank, hq * hd)
-    if attn.o_proj.bias is not None and rank > 0:
-        attn.o_proj.bias.data.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
+    if attn.o_proj.bias is not None:
+        zero_unless_first(attn.o_proj.bias, rank)
     attn.n_heads, attn.n_kv = hq, hkv
     attn.tp = tp

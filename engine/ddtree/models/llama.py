@@ -47,8 +47,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
 
-    def split_sizes(self) -> dict[str, int]:
-        """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
+    def split_sizes(self, whole_experts: bool = True) -> dict[str, int]:
+        """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number;
+        whole_experts is for the MoE families)."""
         return dense_split_sizes(self)
 
     @classmethod
@@ -186,9 +187,9 @@ class Transformer(CausalLM):
         )
         self.kv_storage: Tensor | None = None  # [layers, 2 (k, v), batch, kv heads, slots + 1, head dim]
 
-    def shard_layers(self, tp: Collectives) -> None:
+    def shard_layers(self, tp: Collectives, whole_experts: bool = True) -> None:
         """Keep this rank's heads and MLP columns of every layer (ddtree.runtime.parallel.shard splits the
-        vocabulary and checks split_sizes first)."""
+        vocabulary and checks split_sizes first); no experts here, whole_experts is for the MoE families."""
         shard_dense_layers(self.model.layers, self.config, tp)
 
     @property

@@ -119,14 +119,29 @@ class SparseMoE(nn.Module):
         return self.tp.all_reduce(out) if self.tp else out
 
 
-def shard_experts(moe: SparseMoE, tp: Collectives) -> None:
-    """Expert-parallel split of a MoE block over tp.world ranks: each rank keeps num_experts / world whole
-    experts (rank r: [r * n, (r + 1) * n)), the router stays replicated (every rank routes every token the
-    same way), and a rank computes only its experts' share of each token; shared experts split like a dense
-    MLP (gate/up rows, down columns), their partial sums added before the block's one all-reduce."""
-    n = moe.num_experts // tp.world
-    moe.first_expert = tp.rank * n
-    moe.experts = nn.ModuleList(list(moe.experts)[moe.first_expert : moe.first_expert + n])
+def shard_experts(moe: SparseMoE, tp: Collectives, whole: bool = True) -> None:
+    """Split a MoE block over tp.world ranks; the router stays replicated (every rank routes every token
+    the same way) and each rank computes its share of each token, summed by the block's one all-reduce.
+
+    whole (expert parallelism): each rank keeps num_experts / world whole experts (rank r: [r * n,
+    (r + 1) * n)). Otherwise every rank keeps every expert, each split like a dense MLP (gate/up rows,
+    down columns): more, smaller GEMMs, but no rank waits on a popular expert. Shared experts are always
+    split like a dense MLP."""
+    if whole:
+        n = moe.num_experts // tp.world
+        moe.first_expert = tp.rank * n
+        moe.experts = nn.ModuleList(list(moe.experts)[moe.first_expert : moe.first_expert + n])
+    else:
+        for expert in cast(list[Expert], list(moe.experts)):
+            if not isinstance(expert.gate_proj, nn.Linear):
+                raise ValueError(
+                    f"splitting the width of {type(expert.gate_proj).__name__} experts is not supported: "
+                    "use whole experts per rank (expert parallelism, the default)"
+                )
+            inter = expert.gate_proj.weight.shape[0] // tp.world
+            keep_rows(expert.gate_proj.weight, tp.rank, inter)
+            keep_rows(expert.up_proj.weight, tp.rank, inter)
+            keep_cols(expert.down_proj.weight, tp.rank, inter)
     if moe.shared_experts is not None:
         inter = moe.shared_experts.gate_proj.weight.shape[0] // tp.world
         keep_rows(moe.shared_experts.gate_proj.weight, tp.rank, inter)

@@ -104,14 +104,18 @@ class ModelConfig(llama.ModelConfig):
             layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
         )
 
-    def split_sizes(self) -> dict[str, int]:
-        """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
+    def split_sizes(self, whole_experts: bool = True) -> dict[str, int]:
+        """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number);
+        whole_experts: experts split whole (expert parallelism), else each expert's width."""
         sizes = {"attention heads": self.num_attention_heads, "KV heads": self.num_key_value_heads}
         layers = range(self.num_hidden_layers)
         if not all(self.is_sparse(i) for i in layers):
             sizes["MLP width"] = self.intermediate_size
         if any(self.is_sparse(i) for i in layers):
-            sizes["experts"] = self.num_experts
+            if whole_experts:
+                sizes["experts"] = self.num_experts
+            else:
+                sizes["expert width"] = self.moe_intermediate_size
         sizes["vocabulary"] = self.vocab_size
         return sizes
 
@@ -183,13 +187,13 @@ class Transformer(llama.Transformer):
             decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
 
-    def shard_layers(self, tp: Collectives) -> None:
+    def shard_layers(self, tp: Collectives, whole_experts: bool = True) -> None:
         """Keep this rank's heads, dense MLP columns and experts of every layer (parallel.shard splits the
         vocabulary and checks split_sizes first)."""
         cfg, world = self.config, tp.world
         for i, layer in enumerate(self.model.layers):
             shard_attention(layer.self_attn, tp, cfg.num_attention_heads // world, cfg.num_key_value_heads // world)
             if cfg.is_sparse(i):
-                shard_experts(cast(SparseMoE, layer.mlp), tp)
+                shard_experts(cast(SparseMoE, layer.mlp), tp, whole_experts)
             else:
                 shard_mlp(layer.mlp, tp, cfg.intermediate_size // world)

@@ -6,7 +6,9 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
+from .quant import Fp8BlockLinear, Int4Linear, parse_quantization, quantize_modules
 from .registry import config_from_hf, family_for
 
 RANDOM_PREFIX = "random:"
@@ -100,6 +102,28 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
+# Kimi K2.6 as published: its routed experts INT4 (compressed-tensors pack-quantized, group 32; Kimi K2.5's
+# quantization_config, as tests/data/model_configs/kimi-k2.5.json), the rest bf16: about 9.5 GB per MoE layer
+KIMI_INT4 = {
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "dynamic": False,
+            },
+        }
+    },
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+RANDOM_SHAPES["kimi-k2.6-int4-3layers"] = {**RANDOM_SHAPES["kimi-k2.6-3layers"], "quantization_config": KIMI_INT4}
 
 
 def random_hf_config(ref: str, **overrides) -> dict[str, Any]:
@@ -134,10 +158,18 @@ def random_model(shape: str, device, dtype, seed: int = 0, **overrides):
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device("meta"):  # built on meta, then allocated once, quantized layers included
             model = family.Transformer(cfg)
     finally:
         torch.set_default_dtype(default)
+    scheme = parse_quantization(hf.get("quantization_config"))
+    if scheme is not None:
+        marker = "weight_packed" if scheme.kind == "int4" else "weight_scale_inv"
+        targets = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and scheme.targets(n)]
+        quantize_modules(model, scheme, [f"{n}.{marker}" for n in targets])
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty allocates each module's tensors anew, a tied one too
+        model.lm_head.weight = model.model.embed_tokens.weight
     residual_std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -148,6 +180,18 @@ def random_model(shape: str, device, dtype, seed: int = 0, **overrides):
             p.normal_(0, 1.0)
         else:
             p.normal_(0, 0.02)
+    for name, module in model.named_modules():
+        if isinstance(module, Int4Linear):  # uniform values in -8..7 (std 4.6), scales for the std above
+            module.weight_packed.random_(-(2**31), 2**31 - 1)
+            std = residual_std if name.endswith("down_proj") else 0.02
+            module.weight_scale.fill_(std / 4.6)
+            module.weight_shape.copy_(torch.tensor([module.out_features, module.in_features]))
+        elif isinstance(module, Fp8BlockLinear):
+            module.weight.copy_(torch.randn(module.weight.shape, device=device).to(module.weight.dtype))
+            module.weight_scale_inv.fill_(0.02)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.zero_()
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         model.lm_head.weight.copy_(model.model.embed_tokens.weight / math.sqrt(cfg.hidden_size))
     return model.eval()
@@ -168,3 +212,37 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def write_random_checkpoint(shape: str, folder, device, dtype, shard_bytes: int = 4 << 30) -> int:
+    """`random:SHAPE`'s weights written as a Hugging Face folder (config.json, safetensors shards of about
+    `shard_bytes` and their index): a checkpoint of real size for load benchmarks. Returns its bytes."""
+    import json
+    import pathlib
+
+    from safetensors.torch import save_file
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = random_model(shape, device, dtype)
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    for name, t in state.items():
+        if size and size + t.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+        total += t.nbytes
+    weight_map = {}
+    for i, part in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: t.cpu() for n, t in part.items()}, folder / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (folder / "config.json").write_text(json.dumps(random_hf_config(shape), indent=1))
+    return total

@@ -49,8 +49,10 @@ def config_from_hf(hf_config: dict):
     return family_for(hf_config).load().ModelConfig.from_hf(hf_config)
 
 
-def load_pretrained(folder, dtype, device):
-    """The target of a Hugging Face-layout folder (config.json and safetensors), in its family's class."""
+def load_pretrained(folder, dtype, device, shard=None, label: str = ""):
+    """The target of a Hugging Face-layout folder (config.json and safetensors), in its family's class;
+    `shard` cuts it before its weights are read (base.CausalLM.from_pretrained)."""
     from .checkpoint import load_config
 
-    return family_for(load_config(folder)).load().Transformer.from_pretrained(folder, dtype=dtype, device=device)
+    family = family_for(load_config(folder)).load()
+    return family.Transformer.from_pretrained(folder, dtype=dtype, device=device, shard=shard, label=label)

@@ -41,9 +41,19 @@ def inference_backend(choice: str, device: str) -> str:
     return "triton" if triton else "torch"
 
 
-def load_target(ref: str, device: str, dtype, revision: str | None = None, kernels: str = "torch"):
+def load_target(
+    ref: str,
+    device: str,
+    dtype,
+    revision: str | None = None,
+    kernels: str = "torch",
+    shard: Callable[[Any], Any] | None = None,
+    trust_remote_code: bool = False,
+    label: str = "",
+):
     """(model, tokenizer) for a built-in id, local folder, .gguf file or hub id; `kernels` picks the
-    element-wise path (auto, torch or triton)."""
+    element-wise path (auto, torch or triton); `shard` (runtime.parallel.shard for one rank) cuts the
+    model before its weights are read, so a rank reads only its slices."""
     from transformers import AutoTokenizer
 
     from ..models.checkpoint import resolve_model
@@ -56,12 +66,23 @@ def load_target(ref: str, device: str, dtype, revision: str | None = None, kerne
         from ..models.random import ByteTokenizer
 
         target = random_model(ref.removeprefix(RANDOM_PREFIX), device, dtype)
+        if shard is not None:
+            shard(target)
         use_backend(target, backend)
         return target, ByteTokenizer(target.config.vocab_size)
     folder = resolve_model(ref, revision)
-    target = load_pretrained(folder, dtype=dtype, device=device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise ConfigError(
+                f"the tokenizer of {ref} is Python code shipped with the checkpoint: run it with "
+                "--trust-remote-code (model.trust_remote_code) if you trust its source"
+            ) from None
+        raise
+    target = load_pretrained(folder, dtype=dtype, device=device, shard=shard, label=label)
     use_backend(target, backend)  # the Engine keeps the backend a target has
-    return target, AutoTokenizer.from_pretrained(folder)
+    return target, tokenizer
 
 
 def target_config(ref: str, revision: str | None = None):
@@ -123,8 +144,22 @@ def load_models(
     m, spec = config.model, config.speculation
     device, dtype = rank_device(m.device, rank, world), torch_dtype(m.dtype)
     note(f"loading {m.id}")
+    shard, whole_experts = None, config.parallel.expert_parallel != 1
+    if world > 1:
+        from .parallel import shard as shard_model
+
+        def shard(model):
+            return shard_model(model, rank, world, whole_experts)
+
     target, tokenizer = load_target(
-        m.id, device, dtype, m.revision, kernels=config.kernels.backend if world == 1 else "torch"
+        m.id,
+        device,
+        dtype,
+        m.revision,
+        kernels=config.kernels.backend,
+        shard=shard,
+        trust_remote_code=m.trust_remote_code,
+        label=f"rank {rank}" if world > 1 else "",
     )
     note(None)
     drafter = None
@@ -140,11 +175,9 @@ def load_models(
     note(None)
     how = "none"
     if world > 1:
-        from .fused import use_backend
-        from .parallel import split
+        from .parallel import split_drafter
 
-        how = split(target, drafter, rank, world, config.parallel.replicate_drafter)
-        use_backend(target, inference_backend(config.kernels.backend, device))  # on the shards
+        how = split_drafter(target, drafter, config.parallel.replicate_drafter)
     return Loaded(target, drafter, tokenizer, how)
 
 

@@ -36,7 +36,11 @@ def cmd_generate(args) -> int:
     elif tp > 1:  # start the ranks ourselves, once the split is known to fit
         from .parallel import check_divisible, launch
 
-        check_divisible(target_config(config.model.id, config.model.revision), tp)
+        check_divisible(
+            target_config(config.model.id, config.model.revision),
+            tp,
+            whole_experts=config.parallel.expert_parallel != 1,
+        )
 
         rank, out = 0, launch(tp, generate_on_rank, config, args, device_type=device_type)
     else:
@@ -176,7 +180,11 @@ def cmd_bench(args) -> int:
             raise UsageError(f"--tensor-parallel {tp} needs {tp} GPUs, this host has {torch_cuda_count()}")
         from .parallel import check_divisible, launch
 
-        check_divisible(target_config(config.model.id, config.model.revision), tp)
+        check_divisible(
+            target_config(config.model.id, config.model.revision),
+            tp,
+            whole_experts=config.parallel.expert_parallel != 1,
+        )
         launch(tp, bench_on_rank, config, plan, device_type=device.split(":")[0])
     else:
         bench_on_rank(0, 1, config, plan)

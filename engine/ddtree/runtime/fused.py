@@ -26,10 +26,12 @@ from torch import Tensor, nn
 from ..models.layers import MLP, RMSNorm, concat_views
 from ..models.llama import Attention, DecoderLayer, Transformer
 from ..models.moe import SparseMoE
+from ..models.quant import Fp8BlockLinear, Int4Linear, dequantize_fp8_block, dequantize_int4
 from ..speculative.drafter import DFlashDrafter, DrafterAttention
 from ..speculative.tree import Tree, build_ddtree, top_candidates
 from . import kernels
 from .moe_kernels import moe_experts
+from .quant_kernels import fp8_block_linear, int4_linear, moe_experts_int4
 
 BACKENDS = ("reference", "torch", "triton")
 
@@ -239,8 +241,15 @@ def use_backend(model: Transformer, backend: str) -> None:
     table = SWAPS[backend]
     for module in list(model.modules()):
         reference = module.reference if isinstance(module, _Swapped) else type(module)
-        swap(module, table.get(reference, reference))
+        fused = table.get(reference, reference)
+        if fused is not reference and not getattr(fused, "takes_quantized", False) and _quantized_projections(module):
+            fused = reference  # its GEMMs concatenate float weights; quantized ones run in their own modules
+        swap(module, fused)
     model.backend = backend
+
+
+def _quantized_projections(module: nn.Module) -> bool:
+    return any(isinstance(child, (Int4Linear, Fp8BlockLinear)) for child in module.children())
 
 
 # ---- mixture of experts --------------------------------------------------------------------------
@@ -275,15 +284,56 @@ class FusedMoE(_Swapped, SparseMoE):
     w_gate_up: Tensor | None = None  # [experts held here, 2 * inter, hidden]: gate rows, then up rows
     w_down: Tensor | None = None  # [experts held here, hidden, inter]
 
+    takes_quantized = True  # INT4 or FP8 experts: stacked as published, dequantized per tile
+    # quantized experts: their stacked tensors, as `w_gate_up` / `w_down` (the INT4 scales or FP8 scale_inv)
+    s_gate_up: Tensor | None = None
+    s_down: Tensor | None = None
+
     def adopt(self) -> None:
         experts = cast(list[MLP], list(self.experts))
-        inter, hidden = experts[0].gate_proj.weight.shape
-        gate_up = [w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight)]
-        self.w_gate_up = concat_views(gate_up).view(len(experts), 2 * inter, hidden)
-        self.w_down = concat_views([e.down_proj.weight for e in experts]).view(len(experts), hidden, inter)
+        first = experts[0].gate_proj
+        names = {Int4Linear: ("weight_packed", "weight_scale"), Fp8BlockLinear: ("weight", "weight_scale_inv")}
+        weight, scale = names.get(type(first), ("weight", None))  # type: ignore[call-overload]
+
+        def stacked(name: str, projections: tuple[str, ...]) -> Tensor:
+            parts = [getattr(getattr(e, p), name) for e in experts for p in projections]
+            return concat_views(parts).view(len(experts), -1, parts[0].shape[-1])
+
+        self.w_gate_up = stacked(weight, ("gate_proj", "up_proj"))
+        self.w_down = stacked(weight, ("down_proj",))
+        if scale is not None:
+            self.s_gate_up = stacked(scale, ("gate_proj", "up_proj"))
+            self.s_down = stacked(scale, ("down_proj",))
 
     def drop(self) -> None:
-        self.w_gate_up = self.w_down = None
+        self.w_gate_up = self.w_down = self.s_gate_up = self.s_down = None
+
+    def expert_weights(self, tile_expert: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The gate/up [tiles, 2 I, H] and down [tiles, H, I] weights of the tiles' experts, dequantized
+        (only these experts') when the checkpoint's are quantized."""
+        assert self.w_gate_up is not None and self.w_down is not None
+        gate_up, down = self.w_gate_up[tile_expert], self.w_down[tile_expert]
+        if self.s_gate_up is None:
+            return gate_up, down
+        assert self.s_down is not None
+        first = cast(MLP, self.experts[0])
+        if isinstance(first.gate_proj, Int4Linear):
+            group = first.gate_proj.group_size
+            hidden, inter = first.gate_proj.in_features, first.down_proj.in_features
+            return (
+                dequantize_int4(gate_up, self.s_gate_up[tile_expert], hidden, group, dtype),
+                dequantize_int4(
+                    down, self.s_down[tile_expert], inter, cast(Int4Linear, first.down_proj).group_size, dtype
+                ),
+            )
+        gate = cast(Fp8BlockLinear, first.gate_proj)
+        inter, block, scales = gate.out_features, gate.block, self.s_gate_up[tile_expert]
+        split = -(-inter // block[0])  # gate's scale rows, then up's (a partial last block each)
+        halves = [(gate_up[:, :inter], scales[:, :split]), (gate_up[:, inter:], scales[:, split:])]
+        return (
+            torch.cat([dequantize_fp8_block(w, s, block, dtype) for w, s in halves], dim=1),
+            dequantize_fp8_block(down, self.s_down[tile_expert], block, dtype),
+        )
 
     @staticmethod
     def tile_rows(pairs: int, experts: int) -> int:
@@ -318,8 +368,9 @@ class FusedMoE(_Swapped, SparseMoE):
         buf = x.new_zeros(tiles * rows + 1, x.shape[-1])  # the last row: pairs held elsewhere write there
         buf[row] = x[:, None].expand(n, k, x.shape[-1]).reshape(n * k, -1)  # pair p is token p // k
         h = buf[: tiles * rows].view(tiles, rows, -1)
-        gate, up = torch.bmm(h, self.w_gate_up[tile_expert].transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, self.w_down[tile_expert].transpose(1, 2)).reshape(tiles * rows, -1)
+        w_gate_up, w_down = self.expert_weights(tile_expert, x.dtype)
+        gate, up = torch.bmm(h, w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2)).reshape(tiles * rows, -1)
         y = torch.cat([y, y.new_zeros(1, y.shape[-1])])  # pairs held elsewhere read zeros
         return (y[row].view(n, k, -1) * weights[..., None]).sum(dim=1)
 
@@ -330,11 +381,48 @@ class TritonMoE(FusedMoE):
     the gate/up epilogue."""
 
     def combine(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        return moe_experts(x, weights, ids, self.w_gate_up, self.w_down, self.first_expert)
+        assert self.w_gate_up is not None and self.w_down is not None
+        if self.s_gate_up is None:
+            return moe_experts(x, weights, ids, self.w_gate_up, self.w_down, self.first_expert)
+        first = cast(MLP, self.experts[0]).gate_proj
+        if not isinstance(first, Int4Linear):  # FP8 experts: no grouped FP8 kernel yet, the tiles' dequantized
+            return super().combine(x, weights, ids)
+        assert self.s_down is not None
+        return moe_experts_int4(
+            x,
+            weights,
+            ids,
+            self.w_gate_up,
+            self.s_gate_up,
+            self.w_down,
+            self.s_down,
+            first.group_size,
+            self.first_expert,
+        )
+
+
+class TritonInt4Linear(_Swapped, Int4Linear):
+    """W4A16 through the Triton GEMM of runtime/quant_kernels.py (the weight dequantized in registers)."""
+
+    reference = Int4Linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        return int4_linear(x, self.weight_packed, self.weight_scale, self.group_size)
+
+
+class TritonFp8BlockLinear(_Swapped, Fp8BlockLinear):
+    """FP8 block weights through the Triton GEMM of runtime/quant_kernels.py."""
+
+    reference = Fp8BlockLinear
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block)
 
 
 SWAPS["torch"][SparseMoE] = FusedMoE
 SWAPS["triton"][SparseMoE] = TritonMoE
+SWAPS["triton"][Int4Linear] = TritonInt4Linear
+SWAPS["triton"][Fp8BlockLinear] = TritonFp8BlockLinear
 
 
 # ---- the drafter ---------------------------------------------------------------------------------

@@ -54,10 +54,11 @@ class TensorParallel:
         return parts.movedim(0, -2).reshape(*x.shape[:-1], self.world * x.shape[-1])
 
 
-def check_divisible(cfg, world: int, what: str = "the model") -> None:
+def check_divisible(cfg, world: int, what: str = "the model", whole_experts: bool = True) -> None:
     """Refuse a split that does not divide the model (or drafter) evenly, naming every offending size
     (the config's split_sizes(): what its family splits over the ranks)."""
-    bad = [f"{n} {name}" for name, n in cfg.split_sizes().items() if n % world]
+    sizes = cfg.split_sizes() if whole_experts else cfg.split_sizes(whole_experts=False)
+    bad = [f"{n} {name}" for name, n in sizes.items() if n % world]
     if bad:
         raise ValueError(
             f"tensor parallel {world} does not divide {what}: "
@@ -66,18 +67,26 @@ def check_divisible(cfg, world: int, what: str = "the model") -> None:
         )
 
 
-def split(target: Transformer, drafter, rank: int, world: int, replicate_drafter: bool = False) -> str:
-    """Shard the target; shard the drafter too unless asked to replicate it or its heads do not divide
-    (on 2 H200s with the Qwen3-8B shape, splitting made rounds faster and used less memory per GPU:
-    docs/benchmarks.md, "Tensor parallel").
-    Returns how the drafter runs: "split", "replicated" or "none"."""
-    shard(target, rank, world)
+def split(
+    target: Transformer, drafter, rank: int, world: int, replicate_drafter: bool = False, whole_experts: bool = True
+) -> str:
+    """Shard a loaded target and its drafter (split_drafter says how the drafter runs)."""
+    shard(target, rank, world, whole_experts)
+    return split_drafter(target, drafter, replicate_drafter)
+
+
+def split_drafter(target: Transformer, drafter, replicate_drafter: bool = False) -> str:
+    """Shard the drafter like its (already sharded) target unless asked to replicate it or its heads do
+    not divide (on 2 H200s with the Qwen3-8B shape, splitting made rounds faster and used less memory per
+    GPU: docs/benchmarks.md, "Tensor parallel"). Returns how the drafter runs: "split", "replicated" or
+    "none"."""
     if drafter is None:
         return "none"
     if replicate_drafter:
         return "replicated"
+    assert target.tp is not None, "shard the target first"
     try:
-        check_divisible(drafter.config, world, "the drafter")
+        check_divisible(drafter.config, target.tp.world, "the drafter")
     except ValueError as exc:
         log.info("%s: every rank runs the whole drafter", exc)
         return "replicated"
@@ -93,14 +102,34 @@ def shard_drafter(drafter, tp: Collectives) -> None:
     shard_dense_layers(drafter.layers, drafter.config, tp)
 
 
+def _quantized_split_weights(model: Transformer, whole_experts: bool) -> list[str]:
+    """Quantized modules that a split would slice (their scales are not sliced yet): all but routed
+    experts, which expert parallelism keeps whole."""
+    from ..models.quant import Fp8BlockLinear, Int4Linear
+
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (Int4Linear, Fp8BlockLinear)) and not (whole_experts and ".experts." in name)
+    ]
+
+
 @torch.no_grad()
-def shard(model: Transformer, rank: int, world: int) -> Transformer:
-    """Keep this rank's slice of every split weight (in place) and switch on the collectives."""
+def shard(model: Transformer, rank: int, world: int, whole_experts: bool = True) -> Transformer:
+    """Keep this rank's slice of every split weight (in place) and switch on the collectives. On a model
+    on the meta device this only records the slices, which loading then reads (checkpoint.load_into).
+    whole_experts: routed experts split whole over the ranks (expert parallelism), else by width."""
     cfg = model.config
-    check_divisible(cfg, world)
+    check_divisible(cfg, world, whole_experts=whole_experts)
+    quantized = _quantized_split_weights(model, whole_experts)
+    if quantized:
+        raise ValueError(
+            f"tensor parallelism over quantized attention or dense weights is not supported yet ({quantized[0]} "
+            "would be sliced); quantized routed experts split whole (expert parallelism) are"
+        )
     tp = TensorParallel(rank, world)
     use_backend(model, "reference")  # fused views point at the full weights; the shards are fused again
-    model.shard_layers(tp)  # the family's split of its layers
+    model.shard_layers(tp, whole_experts)  # the family's split of its layers
     vocab = cfg.vocab_size // world
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     keep_rows(model.model.embed_tokens.weight, rank, vocab)

@@ -55,7 +55,7 @@ def _tensor_parallel(config: EngineConfig) -> tuple[int, int, bool]:
     if isinstance(model_config, dict):
         model_config = config_from_hf(model_config)
     if model_config is not None:  # otherwise shard() refuses it at load time (a start-up failure)
-        check_divisible(model_config, world)  # ValueError: one line, exit 2
+        check_divisible(model_config, world, whole_experts=config.parallel.expert_parallel != 1)  # one line, exit 2
     return rank, world, spawn_followers
 
 
