@@ -70,6 +70,13 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
         help="split the target over N processes (one GPU each; gloo on CPU); torchrun works too",
     )
     p.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=UNSET,
+        help="MoE models: split the routed experts whole over N ranks (N = --tensor-parallel, the default) or, "
+        "with 1, split every expert's width over the ranks like a dense MLP",
+    )
+    p.add_argument(
         "--replicate-drafter",
         action="store_true",
         default=UNSET,
@@ -93,6 +100,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help="built-in id (smollm2-135m-instruct), local folder, .gguf or hub id (required, here or in --config)",
     )
     p.add_argument("--drafter", default=UNSET, help="DFlash drafter: local folder, built-in id or hub id")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=UNSET,
+        help="run the Python tokenizer code a checkpoint ships (Kimi's tiktoken tokenizer needs it)",
+    )
     p.add_argument("--method", choices=["ar", "dflash", "ddtree"], default=UNSET, help="default ddtree")
     p.add_argument("--budget", type=parse_budget, default=UNSET, help=BUDGET_HELP)
 
@@ -173,6 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default=UNSET, help="default: bfloat16 on cuda, float32 on cpu")
     b.add_argument("--out", help="folder for bench.json and bench.md")
     b.set_defaults(handler="ddtree.runtime.commands:cmd_bench")
+
+    pl = sub.add_parser("plan", help="per-GPU memory plan of a model from its config files (no weights read)")
+    pl.add_argument("--model", required=True, help="folder, config.json file, built-in id, hub id or random:SHAPE")
+    pl.add_argument("--revision", help="hub revision of --model")
+    pl.add_argument("--drafter", help="DFlash drafter: local folder, config.json file, hub id or random:LAYERS")
+    pl.add_argument("--drafter-revision", help="hub revision of --drafter")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs = tensor-parallel ranks")
+    pl.add_argument(
+        "--gpu-memory", help="memory per GPU: 141GiB, 80GB, 288GB or bytes (default: the visible GPU's total)"
+    )
+    pl.add_argument("--max-context", type=int, help="tokens per sequence (default: its max_position_embeddings)")
+    pl.add_argument("--max-batch", type=int, default=1, help="sequences at once (engine rows; default 1)")
+    pl.add_argument("--budget", type=parse_budget, help="DDTree budget, or 1:32,16:8 (the largest sizes the buffers)")
+    pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    pl.add_argument("--expert-parallel", type=int, help="1: split every expert's width (default: whole experts)")
+    pl.add_argument("--replicate-drafter", action="store_true", help="the whole drafter on every GPU")
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    pl.set_defaults(handler="ddtree.runtime.memory_command:cmd_plan")
 
     add_serve_commands(sub)
     add_training_commands(sub)
