@@ -45,6 +45,27 @@ Quantity = Annotated[
     WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
 ]
 
+# A GPU's memory, e.g. 141Gi (H200) or 80Gi: a positive Kubernetes quantity of bytes (no milli, no sign).
+GPU_MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
+
+# maxSurge / maxUnavailable as a Deployment's rolling update takes them: a count or a percentage.
+PERCENT_PATTERN = r"^[0-9]+%$"
+
+
+def _check_int_or_percent(value: int | str) -> int | str:
+    if isinstance(value, str) and not re.match(PERCENT_PATTERN, value):
+        raise ValueError(f"{value!r} is neither a count nor a percentage (examples: 1, 25%)")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{value} must be >= 0")
+    return value
+
+
+IntOrPercent = Annotated[
+    int | str,
+    AfterValidator(_check_int_or_percent),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": PERCENT_PATTERN, "minimum": 0}),
+]
+
 # Deliberately opaque (a full core/v1 Affinity schema would bloat the CRD, see docs/operator.md);
 # the API server validates it when the operator copies it into the Deployment.
 OpaqueObject = Annotated[
@@ -120,6 +141,11 @@ class ModelSpec(_Model):
         max_length=256,
         description="Model name clients use in OpenAI requests (`--served-model-name`); "
         "default: the engine's choice (the uri).",
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Run the Python tokenizer code the checkpoint ships (`--trust-remote-code`); Kimi's "
+        "tiktoken tokenizer needs it. Default: false.",
     )
     rules: ClassVar = (PVC_URI_RULE,)
 
@@ -241,6 +267,13 @@ class EngineSpec(_Model):
     max_batch_size: int | None = Field(
         default=None, ge=1, le=4096, description="Largest batch the engine schedules (`--max-batch-size`)."
     )
+    max_seq_len: int | None = Field(
+        default=None,
+        ge=16,
+        le=16777216,
+        description="KV cache length per sequence, prompt plus generated tokens (`--max-seq-len`); "
+        "default: the engine's (2048).",
+    )
     args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64, description="Extra `ddtree serve` arguments, appended last."
     )
@@ -251,6 +284,22 @@ class ParallelismSpec(_Model):
     """How one replica is split over devices."""
 
     tensor: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree (`--tensor-parallel`). Default: 1.")
+    expert: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="MoE models: ranks the routed experts are split over (`--expert-parallel`). Equal to "
+        "`tensor`: whole experts per rank (the engine's default when unset); 1: every expert's width is "
+        "split over the ranks instead. No other value is accepted.",
+    )
+    rules: ClassVar = (
+        Rule(
+            cel="!has(self.expert) || self.expert == 1 || self.expert == self.tensor",
+            message="spec.parallelism.expert must be 1 or equal to spec.parallelism.tensor",
+            check=lambda m: m.expert is None or m.expert in (1, m.tensor),
+            field_path=".expert",
+        ),
+    )
 
 
 class ResourcesSpec(_Model):
@@ -261,6 +310,14 @@ class ResourcesSpec(_Model):
         ge=0,
         le=64,
         description="`nvidia.com/gpu` limit; a multiple of `parallelism.tensor`. Default: 0 (CPU).",
+    )
+    gpu_memory: str | None = Field(
+        default=None,
+        max_length=32,
+        pattern=GPU_MEMORY_PATTERN,
+        description="Memory of one GPU, e.g. 141Gi (H200) or 80Gi. When set, the operator checks with the "
+        "engine's memory plan that the model fits `parallelism.tensor` such GPUs before it creates any pod "
+        '(hub models only; docs/operator.md, "Fit check").',
     )
     gpu_product: list[Annotated[str, Field(max_length=128)]] = Field(
         default_factory=list,
@@ -346,6 +403,37 @@ class MetricsSpec(_Model):
     )
 
 
+# A replica with this many GPUs fills a node: there is no second node-sized hole for a surge pod.
+NODE_GPUS = 8
+
+
+class RolloutSpec(_Model):
+    """How a new revision replaces the engine pods (the Deployment's rolling update)."""
+
+    max_surge: IntOrPercent | None = Field(
+        default=None,
+        description="Pods above `replicas` during a rollout (a count or a percentage, as in a Deployment). "
+        "Default: 0 when `resources.gpus` >= 8 (a replica fills a node, so a surge pod would find no room), "
+        "else 1 (a new engine is ready before an old one goes, so serving capacity never drops).",
+    )
+    max_unavailable: IntOrPercent | None = Field(
+        default=None,
+        description="Pods below `replicas` during a rollout (a count or a percentage). Default: 1 when "
+        "`resources.gpus` >= 8, else 0. maxSurge and maxUnavailable must not both be 0.",
+    )
+
+    def effective(self, gpus: int) -> tuple[int | str, int | str]:
+        """(maxSurge, maxUnavailable): what is set, else the default for a replica of `gpus` GPUs."""
+        whole_node = gpus >= NODE_GPUS
+        surge = self.max_surge if self.max_surge is not None else (0 if whole_node else 1)
+        unavailable = self.max_unavailable if self.max_unavailable is not None else (1 if whole_node else 0)
+        return surge, unavailable
+
+
+def _is_zero(value: int | str) -> bool:
+    return str(value) in ("0", "0%")
+
+
 class SpeculativeDeploymentSpec(_Model):
     """A model served by DDTree speculative-decoding engine pods."""
 
@@ -356,6 +444,7 @@ class SpeculativeDeploymentSpec(_Model):
     parallelism: ParallelismSpec = nested(ParallelismSpec)
     replicas: int = Field(default=1, ge=0, le=1024, description="Engine pods (scale subresource). Default: 1.")
     resources: ResourcesSpec = nested(ResourcesSpec)
+    rollout: RolloutSpec = nested(RolloutSpec)
     scheduling: SchedulingSpec = nested(SchedulingSpec)
     model_cache: ModelCacheSpec | None = None
     readiness: ReadinessSpec = nested(ReadinessSpec)
@@ -403,6 +492,22 @@ class SpeculativeDeploymentSpec(_Model):
             check=lambda s: s.readiness.min_acceptance_length is None or s.speculation.method != "none",
             field_path=".readiness.minAcceptanceLength",
         ),
+        Rule(
+            cel="!has(self.resources.gpuMemory) || self.resources.gpus > 0",
+            message="spec.resources.gpuMemory needs GPUs (spec.resources.gpus)",
+            check=lambda s: s.resources.gpu_memory is None or s.resources.gpus > 0,
+            field_path=".resources.gpuMemory",
+        ),
+        Rule(  # the effective values, defaults included: a Deployment refuses both 0 (it could never roll)
+            cel="!(string(has(self.rollout.maxSurge) ? self.rollout.maxSurge : "
+            f"(self.resources.gpus >= {NODE_GPUS} ? 0 : 1)) in ['0', '0%'] && "
+            "string(has(self.rollout.maxUnavailable) ? self.rollout.maxUnavailable : "
+            f"(self.resources.gpus >= {NODE_GPUS} ? 1 : 0)) in ['0', '0%'])",
+            message="spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0 "
+            "(defaults included: 1 and 0, or 0 and 1 when spec.resources.gpus >= 8)",
+            check=lambda s: not all(_is_zero(v) for v in s.rollout.effective(s.resources.gpus)),
+            field_path=".rollout",
+        ),
     )
 
 
@@ -434,6 +539,19 @@ class SmokeTestStatus(_Model):
     message: str | None = Field(default=None, description="The engine's reason for the last failure.")
 
 
+class MemoryPlanStatus(_Model):
+    """The fit check's outcome for the current spec (the engine's memory plan, per GPU)."""
+
+    result: Literal["Fits", "DoesNotFit", "Skipped"]
+    message: str = Field(default="", description="The plan's one-line reason, or `memory plan skipped: <why>`.")
+    per_rank_bytes: dict[str, int] | None = Field(
+        default=None, description="Bytes per GPU by kind (weights by kind, KV caches, workspace, reserve)."
+    )
+    max_context_that_fits: int | None = Field(
+        default=None, description="The largest max sequence length that fits at the spec's batch size."
+    )
+
+
 class SpeculativeDeploymentStatus(_Model):
     """Observed state, written by the operator."""
 
@@ -455,3 +573,4 @@ class SpeculativeDeploymentStatus(_Model):
     )
     last_scrape_time: datetime.datetime | None = None
     smoke_test: SmokeTestStatus | None = None
+    memory_plan: MemoryPlanStatus | None = None

@@ -2,7 +2,8 @@
 
     kopf run --standalone --all-namespaces -m ddtree_operator.handlers
 
-- create/update/resume: server-side apply the rendered children (idempotent; restart-safe).
+- create/update/resume: the fit check (fit.py; hub configs fetched here, cached), then server-side apply
+  the rendered children (idempotent; restart-safe), or nothing when the model does not fit.
 - a timer per resource: scrape ready engines, recompute the status, patch only what changed.
 - indexes keep the engine Deployments and pods in memory, so ticks cost no LIST calls.
 """
@@ -16,6 +17,7 @@ import logging
 import os
 import time
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import kopf
@@ -23,6 +25,7 @@ import kubernetes
 import pydantic
 
 from . import api
+from .fit import ConfigRef, MemoryCheck, decide, plan_inputs
 from .metrics import EngineSample, Window, parse_engine_metrics, window
 from .render import MANAGED_BY, OWNER_LABEL, EngineDefaults, Owner, render_children
 from .status import PodView, compute_status, deployment_view, pod_view, status_patch
@@ -30,6 +33,9 @@ from .status import PodView, compute_status, deployment_view, pod_view, status_p
 FIELD_MANAGER = "ddtree-operator"
 STATUS_TICK_SECONDS = 5.0  # status follows pods this fast; scraping has its own per-resource interval
 SCRAPE_TIMEOUT_SECONDS = 3.0
+HUB_TIMEOUT_SECONDS = 10.0  # one config.json; a slow or unreachable hub skips the fit check, never blocks
+HUB_MAX_CONFIG_BYTES = 4 << 20
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 APPLY = "application/apply-patch+yaml"
@@ -69,6 +75,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         image=os.environ.get("DDTREE_ENGINE_IMAGE", "ddtree-engine:latest"),
         image_pull_policy=os.environ.get("DDTREE_ENGINE_IMAGE_PULL_POLICY", "IfNotPresent"),
     )
+    memo.hub_endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_HUB_ENDPOINT).rstrip("/")
+    # config.json by (endpoint, repo, revision), shared by every resource (kopf copies this memo shallowly)
+    memo.hub_configs = {}
 
 
 def _parse_spec(spec: Any) -> api.SpeculativeDeploymentSpec:
@@ -136,12 +145,76 @@ def apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymen
                 raise
 
 
+class ConfigFetchError(Exception):
+    """A config.json could not be had from the hub."""
+
+
+async def _fetch_config(session: aiohttp.ClientSession, endpoint: str, ref: ConfigRef) -> dict[str, Any]:
+    url = f"{endpoint}/{ref.repo}/resolve/{quote(ref.revision, safe='')}/config.json"
+    try:
+        async with session.get(url) as response:
+            if response.status != 200:
+                raise ConfigFetchError(f"HTTP {response.status} from {url}")
+            body = await response.content.read(HUB_MAX_CONFIG_BYTES + 1)
+        if len(body) > HUB_MAX_CONFIG_BYTES:
+            raise ConfigFetchError(f"{url} is larger than {HUB_MAX_CONFIG_BYTES} bytes")
+        config = json.loads(body)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        raise ConfigFetchError(f"{url}: {str(exc) or type(exc).__name__}") from exc
+    if not isinstance(config, dict):
+        raise ConfigFetchError(f"{url} is not a JSON object")
+    return config
+
+
+async def _configs(refs: list[ConfigRef], memo: kopf.Memo) -> dict[ConfigRef, dict[str, Any] | str]:
+    """Each ref's config.json, or why it could not be fetched; successes are cached for the operator's life
+    (a pinned revision never changes; `main` rarely does, and a restart refreshes it)."""
+    endpoint: str = memo.hub_endpoint
+    cache: dict[tuple[str, ConfigRef], dict[str, Any]] = memo.hub_configs
+    out: dict[ConfigRef, dict[str, Any] | str] = {r: cache[(endpoint, r)] for r in refs if (endpoint, r) in cache}
+    wanted = [r for r in dict.fromkeys(refs) if r not in out]
+    if wanted:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HUB_TIMEOUT_SECONDS)) as session:
+            results = await asyncio.gather(
+                *(_fetch_config(session, endpoint, r) for r in wanted), return_exceptions=True
+            )
+        for ref, result in zip(wanted, results, strict=True):
+            if isinstance(result, ConfigFetchError):
+                out[ref] = str(result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                out[ref] = cache[(endpoint, ref)] = result
+    return out
+
+
+async def memory_check(spec: api.SpeculativeDeploymentSpec, memo: kopf.Memo, logger: Any) -> MemoryCheck:
+    """The fit check of this spec, made once per spec (the per-resource memo keeps the last one). The lock
+    makes the create handler and the first status tick, which start together, share one check."""
+    key = spec.model_dump_json()
+    async with memo.setdefault("memory_check_lock", asyncio.Lock()):
+        if memo.get("memory_check_key") == key:
+            return memo.memory_check
+        inputs = plan_inputs(spec)
+        check = inputs if isinstance(inputs, MemoryCheck) else decide(inputs, await _configs(inputs.refs, memo))
+        logger.info(f"memory plan: {check.result}: {check.message}")
+        memo.memory_check_key, memo.memory_check = key, check
+        return check
+
+
 # A failed apply (API server busy, webhook down) is retried after 10 s, not kopf's default minute.
 @kopf.on.resume(*RESOURCE, backoff=10)
 @kopf.on.create(*RESOURCE, backoff=10)
 @kopf.on.update(*RESOURCE, field="spec", backoff=10)
-def reconcile(name: str, namespace: str, uid: str, spec: Any, body: Any, memo: kopf.Memo, **_: Any) -> None:
-    apply_children(memo, Owner(name, namespace, uid), _parse_spec(spec), body)
+async def reconcile(
+    name: str, namespace: str, uid: str, spec: Any, body: Any, memo: kopf.Memo, logger: Any, **_: Any
+) -> None:
+    parsed = _parse_spec(spec)
+    # A model that does not fit gets no objects, and an existing Deployment keeps its last fitting spec:
+    # pods that can never load would only hold GPUs. The status timer reports it (Ready=False DoesNotFit).
+    if (await memory_check(parsed, memo, logger)).blocks:
+        return
+    await asyncio.to_thread(apply_children, memo, Owner(name, namespace, uid), parsed, body)
 
 
 @kopf.index("pods", labels=MANAGED)
@@ -225,9 +298,10 @@ async def refresh_status(
     **_: Any,
 ) -> None:
     parsed = _parse_spec(spec)
+    memory = await memory_check(parsed, memo, logger)
     key = (namespace, name)
     deployments = list(engine_deployments.get(key, []))
-    if not deployments:
+    if not deployments and not memory.blocks:
         # Deleted behind our back (or not seen yet): re-apply; a no-op when it does exist.
         await asyncio.to_thread(apply_children, memo, Owner(name, namespace, uid), parsed, body)
     pods = list(engine_pods.get(key, []))
@@ -243,6 +317,7 @@ async def refresh_status(
         window=metrics_window,
         previous=current,
         now=datetime.datetime.now(datetime.timezone.utc),
+        memory=memory,
     )
     changes = status_patch(current, desired)
     for field, value in changes.items():
@@ -253,3 +328,6 @@ async def refresh_status(
     newly_failed = (old_smoke.get("status"), old_smoke.get("message")) != ("False", new_smoke["message"])
     if new_smoke["status"] == "False" and newly_failed:
         kopf.warn(body, reason=new_smoke["reason"], message=new_smoke["message"])
+    old_plan = current.get("memoryPlan") or {}
+    if memory.blocks and (old_plan.get("result"), old_plan.get("message")) != (memory.result, memory.message):
+        kopf.warn(body, reason="DoesNotFit", message=memory.message)

@@ -117,6 +117,8 @@ def engine_config(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
     model: dict[str, Any] = {"id": resolve_uri(spec.model.uri).arg}
     if spec.model.revision:
         model["revision"] = spec.model.revision
+    if spec.model.trust_remote_code:
+        model["trust_remote_code"] = True
     if spec.drafter is not None:
         model["drafter"] = resolve_uri(spec.drafter.uri).arg
         if spec.drafter.revision:
@@ -134,11 +136,18 @@ def engine_config(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
     config: dict[str, Any] = {"model": model, "speculation": speculation}
     if speculation_spec.batch_buckets:
         config["kernels"] = {"batch_buckets": sorted(speculation_spec.batch_buckets)}
+    parallel: dict[str, Any] = {}
     if spec.parallelism.tensor > 1:
-        config["parallel"] = {"tensor_parallel": spec.parallelism.tensor}
+        parallel["tensor_parallel"] = spec.parallelism.tensor
+    if spec.parallelism.expert is not None:
+        parallel["expert_parallel"] = spec.parallelism.expert
+    if parallel:
+        config["parallel"] = parallel
     serving: dict[str, Any] = {"host": "0.0.0.0", "port": spec.metrics.port, "termination_log": TERMINATION_LOG}
     if spec.engine.max_batch_size is not None:
         serving["max_batch_size"] = spec.engine.max_batch_size
+    if spec.engine.max_seq_len is not None:
+        serving["max_seq_len"] = spec.engine.max_seq_len
     if spec.model.served_name:
         serving["served_model_name"] = spec.model.served_name
     config["serving"] = serving
@@ -251,6 +260,14 @@ def _tolerations(spec: SpeculativeDeploymentSpec) -> list[dict[str, Any]]:
     return tolerations
 
 
+def render_strategy(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
+    """The rolling update of spec.rollout. By default a replica smaller than a node surges (a new engine is
+    Ready before an old one goes: serving capacity never drops); a node-sized one cannot (no second node-sized
+    hole), so one old pod goes first."""
+    surge, unavailable = spec.rollout.effective(spec.resources.gpus)
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
+
+
 def render_deployment(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: EngineDefaults) -> dict[str, Any]:
     port = spec.metrics.port
     startup = spec.readiness.startup_timeout_seconds
@@ -309,8 +326,7 @@ def render_deployment(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: E
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(owner.name)},
-            # A new replica must be Ready before an old one goes: serving capacity never drops.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": render_strategy(spec),
             "progressDeadlineSeconds": startup + PROGRESS_DEADLINE_SLACK_SECONDS,
             "revisionHistoryLimit": 3,
             "template": {

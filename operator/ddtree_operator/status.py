@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .api import SpeculativeDeploymentSpec
+from .fit import MemoryCheck
 from .metrics import EngineSample, Window
 from .render import ENGINE_CONTAINER, selector_string
 
@@ -222,9 +223,12 @@ def compute_status(
     window: Window | None,
     previous: Mapping[str, Any],
     now: datetime.datetime,
+    memory: MemoryCheck | None = None,
 ) -> dict[str, Any]:
     """The whole status. `samples` is this tick's scrape of ready pods (by UID, maybe empty), `window`
-    the rates since the previous scrape (None when there was no scrape or no earlier sample)."""
+    the rates since the previous scrape (None when there was no scrape or no earlier sample), `memory` the
+    fit check of the current spec (a spec that does not fit is Failed whatever still runs: the operator
+    applies nothing of it)."""
     desired = spec.replicas
     ready = deployment.ready_replicas if deployment else 0
     updated = deployment.updated_replicas if deployment else 0
@@ -238,14 +242,18 @@ def compute_status(
     metrics = _metrics(window, ready, previous, now)
     smoke_summary, smoke = _smoke_test(spec, pods, failing, samples, previous)
     phase, reason, message = _phase(spec, deployment, pods, failing, rolled_out, metrics.get("acceptanceLength"))
+    if memory is not None and memory.blocks:
+        phase, reason, message = "Failed", "DoesNotFit", memory.message
     counts = f"{ready}/{desired} replicas ready"
 
-    if desired > 0 and ready >= desired:
+    if desired > 0 and ready >= desired and reason != "DoesNotFit":
         serving: Outcome = ("True", "AllReplicasReady", counts)
     else:
         serving = ("False", reason, message)
-    if deployment is not None and deployment.progress_deadline_exceeded:
-        progressing: Outcome = ("False", "ProgressDeadlineExceeded", message)
+    if reason == "DoesNotFit":
+        progressing: Outcome = ("False", reason, message)
+    elif deployment is not None and deployment.progress_deadline_exceeded:
+        progressing = ("False", "ProgressDeadlineExceeded", message)
     elif rolled_out and ready >= desired:
         progressing = ("False", "RolloutComplete", counts)
     else:
@@ -274,6 +282,7 @@ def compute_status(
         "selector": selector_string(name),
         **metrics,
         "smokeTest": smoke_summary,
+        **({"memoryPlan": memory.status()} if memory is not None else {}),
         "conditions": conditions,
     }
 

@@ -64,6 +64,22 @@ INVALID_SPECS = {
         },
         "an env entry needs exactly one of value and valueFrom",
     ),
+    "expert-parallel-neither-1-nor-tensor": (
+        {**VALID, "resources": {"gpus": 8}, "parallelism": {"tensor": 8, "expert": 4}},
+        "spec.parallelism.expert must be 1 or equal to spec.parallelism.tensor",
+    ),
+    "gpu-memory-without-gpus": (
+        {**VALID, "resources": {"gpuMemory": "80Gi"}},
+        "spec.resources.gpuMemory needs GPUs",
+    ),
+    "rollout-no-surge-on-a-small-replica": (  # maxUnavailable defaults to 0 there
+        {**VALID, "rollout": {"maxSurge": 0}},
+        "spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0",
+    ),
+    "rollout-nothing-unavailable-on-a-whole-node": (  # maxSurge defaults to 0 there
+        {**VALID, "resources": {"gpus": 8}, "rollout": {"maxUnavailable": "0%"}},
+        "spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0",
+    ),
 }
 
 # Bounds and formats enforced by plain OpenAPI keywords: id -> (spec, path the server names)
@@ -81,4 +97,10 @@ OUT_OF_BOUNDS_SPECS = {
         {**VALID, "readiness": {"startupTimeoutSeconds": 5}},
         "spec.readiness.startupTimeoutSeconds",
     ),
+    "bad-gpu-memory": ({**VALID, "resources": {"gpus": 1, "gpuMemory": "lots"}}, "spec.resources.gpuMemory"),
+    "gpu-memory-in-millibytes": ({**VALID, "resources": {"gpus": 1, "gpuMemory": "80m"}}, "spec.resources.gpuMemory"),
+    "max-surge-not-a-percentage": ({**VALID, "rollout": {"maxSurge": "half"}}, "spec.rollout.maxSurge"),
+    "negative-max-unavailable": ({**VALID, "rollout": {"maxUnavailable": -1}}, "spec.rollout.maxUnavailable"),
+    "max-seq-len-too-small": ({**VALID, "engine": {"maxSeqLen": 8}}, "spec.engine.maxSeqLen"),
+    "expert-parallel-zero": ({**VALID, "parallelism": {"expert": 0}}, "spec.parallelism.expert"),
 }

@@ -62,6 +62,30 @@ def test_unknown_fields_are_rejected():
         SpeculativeDeploymentSpec.model_validate({**VALID, "speculation": {"budgett": 3}})
 
 
+def test_new_fields_default_to_the_engines_defaults():
+    spec = SpeculativeDeploymentSpec.model_validate(VALID)
+    assert spec.model.trust_remote_code is False and spec.parallelism.expert is None
+    assert spec.engine.max_seq_len is None and spec.resources.gpu_memory is None
+    assert (spec.rollout.max_surge, spec.rollout.max_unavailable) == (None, None)
+
+
+def test_rollout_defaults_follow_the_replica_size():
+    def effective(gpus, **rollout):
+        s = SpeculativeDeploymentSpec.model_validate({**VALID, "resources": {"gpus": gpus}, "rollout": rollout})
+        return s.rollout.effective(s.resources.gpus)
+
+    assert effective(0) == effective(1) == effective(4) == (1, 0)  # surge: capacity never drops
+    assert effective(8) == effective(16) == (0, 1)  # a whole node: no room for a surge pod
+    assert effective(8, maxSurge=1) == (1, 1) and effective(1, maxUnavailable="50%") == (1, "50%")
+    assert effective(8, maxSurge="25%", maxUnavailable=0) == ("25%", 0)
+
+
+def test_expert_parallel_is_one_or_the_tensor_degree():
+    for expert in (1, 8):
+        s = {**VALID, "resources": {"gpus": 8}, "parallelism": {"tensor": 8, "expert": expert}}
+        assert SpeculativeDeploymentSpec.model_validate(s).parallelism.expert == expert
+
+
 def test_quantities_accept_integers_and_strings():
     spec = SpeculativeDeploymentSpec.model_validate({**VALID, "resources": {"cpu": 4, "memory": "16Gi"}})
     assert (spec.resources.cpu, spec.resources.memory) == (4, "16Gi")

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ddtree_operator.api import SpeculativeDeploymentSpec
+from ddtree_operator.fit import MemoryCheck
 from ddtree_operator.metrics import EngineSample, Window
 from ddtree_operator.status import DeploymentView, Failure, PodView, compute_status, status_patch
 from invalid_specs import INVALID_SPECS, OUT_OF_BOUNDS_SPECS, VALID
@@ -57,6 +58,22 @@ def test_schema_bounds_reject_naming_the_field(cluster, chart_installed, namespa
     assert result.returncode != 0 and field in result.stderr, result.stderr
 
 
+def test_new_fields_pass_the_schema_and_the_rules(cluster, chart_installed, namespace):
+    spec = {
+        **VALID,
+        "model": {"uri": "moonshotai/Kimi-K2.6", "trustRemoteCode": True},
+        "parallelism": {"tensor": 8, "expert": 8},
+        "engine": {"maxSeqLen": 131072},
+        "resources": {"gpus": 8, "gpuMemory": "141Gi"},
+        "rollout": {"maxSurge": 0, "maxUnavailable": "25%"},
+    }
+    SpeculativeDeploymentSpec.model_validate(spec)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=resource("new-fields", spec))
+    stored = cluster.specdeploy(namespace, "new-fields")["spec"]
+    assert SpeculativeDeploymentSpec.model_validate(stored) == SpeculativeDeploymentSpec.model_validate(spec)
+    assert stored["rollout"] == {"maxSurge": 0, "maxUnavailable": "25%"}
+
+
 def test_name_must_be_a_dns_label(cluster, chart_installed, namespace):
     result = cluster.kubectl(
         "apply", "-n", namespace, "-f", "-", input=resource("1.starts-with-digit", VALID), check=False
@@ -86,6 +103,7 @@ def test_every_status_field_survives_the_structural_schema(cluster, chart_instal
         window=Window(2.5, 42.0),
         previous={},
         now=datetime.datetime.now(datetime.timezone.utc),
+        memory=MemoryCheck("Fits", "75.06 GiB of 141.00 GiB per GPU", {"routed_experts": 71345249280}, 127878),
     )
     cluster.kubectl(
         "patch",

@@ -67,6 +67,16 @@ def test_watch_namespaces_and_log_level(helm):
     assert {"--namespace=llm", "--namespace=research", "--verbose"} <= set(args)
 
 
+def test_hub_endpoint_is_the_operators_hf_endpoint(helm):
+    def env(*args):
+        docs = template(helm, *args)
+        return next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+
+    assert "HF_ENDPOINT" not in {e["name"] for e in env()}  # the operator's default: https://huggingface.co
+    mirror = "https://hub-mirror.example"
+    assert {"name": "HF_ENDPOINT", "value": mirror} in env("--set", f"operator.hubEndpoint={mirror}")
+
+
 def test_values_schema_rejects_typos(helm):
     result = subprocess.run(
         [helm, "template", "ddtree", str(CHART), "--set", "operator.logLevl=debug"],

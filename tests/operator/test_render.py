@@ -314,3 +314,37 @@ def test_budget_by_batch_size_renders_one_budget_sorted_by_batch():
     # budget 0: no drafting from 17 to 64 requests
     assert budget == {1: 32, 16: 8, 64: 0} and list(budget) == [1, 16, 64]
     assert EngineConfig.from_dict(mounted_config(spec)).speculation.budget == {1: 32, 16: 8, 64: 0}
+
+
+def test_trust_remote_code_expert_parallel_and_max_seq_len_reach_the_engine():
+    s = spec(
+        model={"uri": "moonshotai/Kimi-K2.6", "trustRemoteCode": True},
+        parallelism={"tensor": 8, "expert": 1},
+        resources={"gpus": 8},
+        engine={"maxSeqLen": 8192},
+    )
+    config = mounted_config(s)
+    assert config["model"]["trust_remote_code"] is True
+    assert config["parallel"] == {"tensor_parallel": 8, "expert_parallel": 1}
+    assert config["serving"]["max_seq_len"] == 8192
+    engine = EngineConfig.from_dict(config)  # the engine's own parser reads them by these names
+    assert engine.model.trust_remote_code is True and engine.parallel.expert_parallel == 1
+    assert engine.serving.max_seq_len == 8192
+    # unset: nothing rendered, the engine's defaults hold
+    plain = mounted_config(spec())
+    assert "trust_remote_code" not in plain["model"] and "parallel" not in plain
+    assert "max_seq_len" not in plain["serving"]
+
+
+def test_rollout_strategy_defaults_by_replica_size_and_overrides():
+    def strategy(**overrides):
+        return render_deployment(OWNER, spec(**overrides), DEFAULTS)["spec"]["strategy"]
+
+    def rolling(surge, unavailable):
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
+
+    assert strategy() == strategy(resources={"gpus": 1}) == rolling(1, 0)
+    assert strategy(resources={"gpus": 8}) == rolling(0, 1)  # a node-sized replica: one old pod goes first
+    assert render_deployment(OWNER, example("kimi-ddtree.yaml"), DEFAULTS)["spec"]["strategy"] == rolling(0, 1)
+    assert strategy(rollout={"maxSurge": "25%", "maxUnavailable": "25%"}) == rolling("25%", "25%")
+    assert strategy(resources={"gpus": 8}, rollout={"maxSurge": 1}) == rolling(1, 1)

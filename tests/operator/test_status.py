@@ -5,6 +5,7 @@ import datetime
 import pytest
 
 from ddtree_operator.api import SpeculativeDeploymentSpec
+from ddtree_operator.fit import MemoryCheck
 from ddtree_operator.metrics import EngineSample, parse_engine_metrics, window
 from ddtree_operator.status import (
     DeploymentView,
@@ -153,6 +154,42 @@ def test_all_ready():
 def test_no_deployment_yet_is_pending():
     s = status(deployment=None, pods=[])
     assert s["phase"] == "Pending" and conditions(s)["Ready"] == ("False", "DeploymentMissing")
+
+
+TOO_BIG = MemoryCheck("DoesNotFit", "needs 557.51 GiB per GPU, 416.51 GiB over the 141.00 GiB of each of 1 GPU(s)")
+
+
+def test_a_spec_that_does_not_fit_fails_with_the_plans_reason():
+    s = status(deployment=None, pods=[], memory=TOO_BIG)
+    assert s["phase"] == "Failed"
+    assert conditions(s)["Ready"] == ("False", "DoesNotFit")
+    assert conditions(s)["Progressing"] == ("False", "DoesNotFit")
+    assert conditions(s)["Degraded"] == ("True", "DoesNotFit")
+    ready = next(c for c in s["conditions"] if c["type"] == "Ready")
+    assert ready["message"] == TOO_BIG.message
+    assert s["memoryPlan"] == {"result": "DoesNotFit", "message": TOO_BIG.message}
+
+
+def test_a_spec_that_does_not_fit_is_not_ready_while_the_previous_pods_still_serve():
+    # the operator leaves the Deployment at its last fitting spec; the resource's spec is not served
+    s = status(memory=TOO_BIG)
+    assert s["phase"] == "Failed" and conditions(s)["Ready"] == ("False", "DoesNotFit")
+    assert s["readyReplicas"] == 1
+
+
+def test_a_skipped_or_passed_fit_check_only_reports_itself():
+    skipped = MemoryCheck("Skipped", "memory plan skipped: spec.resources.gpuMemory is not set")
+    fits = MemoryCheck("Fits", "75.06 GiB of 141.00 GiB per GPU", {"kv_cache": 1, "reserve": 2}, 127878)
+    assert status(memory=skipped)["memoryPlan"] == {"result": "Skipped", "message": skipped.message}
+    s = status(memory=fits)
+    assert s["phase"] == "Ready" and conditions(s)["Ready"] == ("True", "AllReplicasReady")
+    assert s["memoryPlan"] == {
+        "result": "Fits",
+        "message": fits.message,
+        "perRankBytes": {"kv_cache": 1, "reserve": 2},
+        "maxContextThatFits": 127878,
+    }
+    assert "memoryPlan" not in status()
 
 
 def test_loading_while_engines_start():
