@@ -13,6 +13,12 @@
 # moe        (not in the default set) mixtures of experts: the verify tax (forwards of 1..65 tokens at
 #            batch 1/8/32 against the active-expert HBM bound) and whole rounds with the budget
 #            recommendation, on Qwen3-30B-A3B and a 3-layer cut of Kimi K2.6 (random bf16 weights)
+# quant      (not in the default set) quantized weights: the W4A16 and FP8 block GEMMs at decode and verify
+#            widths against the HBM bound (Kimi K2.6 expert, DeepSeek-V3 attention/MLP shapes), and the
+#            moe part's measurements on the 3-layer Kimi K2.6 cut with its experts INT4 as published
+# load       (not in the default set) loading a Qwen3-8B-shaped bf16 checkpoint (16 GB, 4 GB shards, written
+#            first under OUT_DIR/load-checkpoint): seconds, GB/s and host memory growth, whole and per rank
+#            of 2 (each rank reads its slices only; the page cache is dropped first where the host allows)
 # kernels    (not in the default set) the Triton kernels against the PyTorch path in one process: the
 #            8B shape's forwards, logit differences and whole rounds, for kernel work before and after
 #
@@ -20,14 +26,14 @@
 # DDTREE_SMOLLM2_GGUF at a copy of its GGUF (see benchmarks/README.md). host.json records the commit
 # (DDTREE_BENCH_COMMIT where the tree is not a git checkout), date, GPU and torch version.
 set -euo pipefail
-OUT_DIR=$(realpath -m "${1:?usage: $0 OUT_DIR [micro|rounds|smollm2|serve|gpu-tests|kernels|moe ...]}")
+OUT_DIR=$(realpath -m "${1:?usage: $0 OUT_DIR [micro|rounds|smollm2|serve|gpu-tests|kernels|moe|quant|load ...]}")
 shift
 PARTS=("$@")
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
 for part in "${PARTS[@]}"; do
   case $part in
-    micro|rounds|smollm2|serve|gpu-tests|kernels|moe) ;;
-    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests, kernels, moe)" >&2; exit 2 ;;
+    micro|rounds|smollm2|serve|gpu-tests|kernels|moe|quant|load) ;;
+    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests, kernels, moe, quant, load)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -58,6 +64,30 @@ for part in "${PARTS[@]}"; do
         ddtree bench --model "random:$shape" --drafter random:1 --micro --kernels triton --methods ar,ddtree \
           --budgets 8,32 --batch-sizes 1,8 --graphs on --rounds 8 --out "$OUT_DIR/moe-$shape"
       done ;;
+    quant)
+      log "quant: W4A16 and FP8 block GEMMs against the HBM bound"
+      $PY -c 'import json, sys
+from ddtree.runtime.bench import quant_gemm_micro
+json.dump(quant_gemm_micro(), open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/quant-gemm.json"
+      log "quant: the 3-layer Kimi K2.6 cut with INT4 experts, the verify tax and rounds"
+      ddtree bench --model random:kimi-k2.6-int4-3layers --drafter random:1 --micro --kernels triton \
+        --methods ar,dflash,ddtree --budgets 8,32 --batch-sizes 1,8 --graphs on --rounds 8 \
+        --out "$OUT_DIR/moe-kimi-k2.6-int4-3layers" ;;
+    load)
+      log "load: a 16 GB sharded checkpoint, whole and per rank of 2"
+      ckpt="$OUT_DIR/load-checkpoint"
+      $PY -c 'import sys, torch
+from ddtree.models.random import write_random_checkpoint
+print(write_random_checkpoint("qwen3-8b", sys.argv[1], "cuda", torch.bfloat16))' "$ckpt"
+      : > "$OUT_DIR/load.jsonl"
+      for rank_world in "0 1" "0 2" "1 2"; do
+        sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && cold=true || cold=false
+        $PY -c 'import json, sys, torch
+from ddtree.runtime.bench import load_time
+r = load_time(sys.argv[1], "cuda", torch.bfloat16, int(sys.argv[2]), int(sys.argv[3]))
+print(json.dumps({**r, "page_cache_dropped": sys.argv[4] == "true"}))' "$ckpt" $rank_world $cold >> "$OUT_DIR/load.jsonl"
+      done
+      rm -rf "$ckpt" ;;
     rounds)
       log "rounds: ar / dflash / ddtree by budget and batch size, 8B shape"
       ddtree bench --model random:qwen3-8b --drafter random:5 --kernels triton --methods ar,dflash,ddtree \
@@ -104,6 +134,7 @@ except (OSError, KeyError, TypeError):
       log "gpu-tests"
       $PY -m pytest -q -ra -m gpu tests/test_kernels.py tests/test_graphs.py tests/test_engine.py \
         tests/test_moe_kernels.py tests/test_qwen3_moe.py tests/test_deepseek_v3.py tests/test_train.py \
+        tests/test_quant_kernels.py tests/test_quantized_models.py \
         2>&1 | tee "$OUT_DIR/gpu-tests.log" ;;
     kernels)
       log "kernels: Triton against PyTorch, 8B shape"

@@ -92,11 +92,13 @@ def forward_ms(target: Transformer, batch: int, ctx: int, tokens: int, graphs: b
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights: parameters and persistent buffers (quantized weights and their scales are
+    buffers; caches are not persistent), each storage once."""
     seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for t in model.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
     return total
 
 
@@ -201,6 +203,103 @@ def micro(target: Transformer, ctx: int = 1024, variants: tuple[str, ...] = ("to
     if len(variants) > 1:
         out["logits_torch_vs_triton"] = logits_difference(target, ctx)
     return out
+
+
+# (N, K) of quantized layers as published: Kimi K2.6's INT4 routed experts, DeepSeek-V3's FP8 attention and MLP
+QUANT_SHAPES: dict[str, tuple[str, int, int]] = {
+    "kimi expert gate+up": ("int4", 2 * 2048, 7168),
+    "kimi expert down": ("int4", 7168, 2048),
+    "deepseek q_b_proj": ("fp8", 24576, 1536),
+    "deepseek o_proj": ("fp8", 7168, 16384),
+    "deepseek dense gate+up": ("fp8", 2 * 18432, 7168),
+}
+QUANT_ROWS = (1, 9, 17, 33, 65, 264)  # decode; verify of budget 8 / 16 / 32 / 64 trees; 8 x 33
+
+
+def _graph_ms(fn, reps: int = 50) -> float:
+    """Time of fn() replayed from one CUDA graph (launch overhead out of the figure)."""
+    for _ in range(3):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1000
+
+
+@torch.no_grad()
+def quant_gemm_micro(device="cuda") -> dict:
+    """The W4A16 (INT4 group 32) and FP8 block GEMMs of runtime/quant_kernels.py at decode and verify widths,
+    against the HBM bound of the bytes they must read (weights, scales, activations) and against a bf16
+    cuBLAS GEMM of the same shape (which reads 4x or 2x the weight bytes)."""
+    bw = copy_bandwidth(device)
+    shapes = {name: _quant_gemm_rows(kind, n, k, bw, device) for name, (kind, n, k) in QUANT_SHAPES.items()}
+    return {"copy_bandwidth_GBps": round(bw / 1e9, 1), "rows": list(QUANT_ROWS), "shapes": shapes}
+
+
+def _quant_gemm_rows(kind: str, n: int, k: int, bw: float, device) -> dict:
+    from ..models.quant import quantize_fp8_block
+    from .quant_kernels import fp8_block_linear, int4_linear
+
+    dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+    if kind == "int4":
+        packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device)
+        scale = torch.full((n, k // 32), 0.004, dtype=torch.bfloat16, device=device)
+        stored = packed.nbytes + scale.nbytes
+
+        def run(x):
+            return int4_linear(x, packed, scale, 32)
+    else:
+        fp8, scale_inv = quantize_fp8_block(dense)
+        stored = fp8.nbytes + scale_inv.nbytes
+
+        def run(x):
+            return fp8_block_linear(x, fp8, scale_inv)
+
+    rows = {}
+    for m in QUANT_ROWS:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        moved = stored + x.nbytes + m * n * 2
+        ms = _graph_ms(lambda: run(x))  # noqa: B023 - timed before x changes
+        rows[m] = {
+            "ms": round(ms, 4),
+            "bound_ms": round(moved / bw * 1000, 4),
+            "over_bound": round(ms / (moved / bw * 1000), 2),
+            "GBps": round(moved / ms / 1e6, 1),
+            "bf16_cublas_ms": round(_graph_ms(lambda: torch.nn.functional.linear(x, dense)), 4),  # noqa: B023
+        }
+    return {"kind": kind, "n": n, "k": k, "weight_bytes": stored, "by_rows": rows}
+
+
+def load_time(folder, device, dtype, rank: int = 0, world: int = 1) -> dict:
+    """Seconds and peak host memory of loading a checkpoint folder as rank `rank` of `world` (each rank reads
+    only its slices: loading needs no process group, so the ranks can be timed one after another)."""
+    from ..models.registry import load_pretrained
+    from .parallel import shard
+
+    status = lambda: dict(line.split(":", 1) for line in open("/proc/self/status"))  # noqa: E731
+    before = int(status()["VmRSS"].split()[0]) * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident size restarts here
+    start = time.perf_counter()
+    cut = (lambda m: shard(m, rank, world)) if world > 1 else None
+    target = load_pretrained(folder, dtype, device, shard=cut, label=f"rank {rank}")
+    _sync(torch.device(device))
+    seconds = time.perf_counter() - start
+    peak = int(status()["VmHWM"].split()[0]) * 1024
+    loaded = weight_bytes(target)
+    return {
+        "rank": rank,
+        "world": world,
+        "seconds": round(seconds, 2),
+        "rank_bytes": loaded,
+        "GBps": round(loaded / seconds / 1e9, 2),
+        "host_peak_growth_bytes": peak - before,
+    }
 
 
 def count_host_syncs(engine: Engine, n: int) -> float:
