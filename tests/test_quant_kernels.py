@@ -11,7 +11,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from ddtree.models.quant import dequantize_fp8_block, dequantize_int4
 from ddtree.runtime.moe_kernels import moe_experts
-from ddtree.runtime.quant_kernels import fp8_block_linear, int4_linear, moe_experts_int4
+from ddtree.runtime.quant_kernels import INT4_UNPACK, fp8_block_linear, int4_linear, moe_experts_int4
 
 interp = pytest.mark.triton_interpreter
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
@@ -67,18 +67,36 @@ def test_int4_linear(rows, case, dtype):
     g = torch.Generator().manual_seed(rows * 7 + k)
     packed, scale, dense = int4_weight(g, (n, k), group, dtype)
     x = torch.randn(rows, k, generator=g).to(dtype)
-    check_close(int4_linear(x, packed, scale, group), x.float() @ dense.T, dtype)
+    # one row is the GEMV whatever the unpacking
+    for unpack in INT4_UNPACK[:1] if rows == 1 else INT4_UNPACK:
+        check_close(int4_linear(x, packed, scale, group, unpack=unpack), x.float() @ dense.T, dtype)
 
 
 @interp
+@pytest.mark.parametrize("unpack", ["gather", "expand"])
+@pytest.mark.parametrize("block_k", [16, 64])
+def test_int4_linear_one_dot_tiles_narrower_than_a_group(unpack, block_k):
+    """K tiles narrower than a group (several tiles a scale), a partial last tile, 65+ rows (128-row tiles)."""
+    g = torch.Generator().manual_seed(block_k)
+    group = 32 if block_k == 16 else 112  # 112: a group ends inside a K tile
+    packed, scale, dense = int4_weight(g, (24, 224), group, torch.float32)
+    x = torch.randn(70, 224, generator=g)
+    check_close(int4_linear(x, packed, scale, group, block_k=block_k, unpack=unpack), x @ dense.T, torch.float32)
+
+
+@interp
+@pytest.mark.parametrize("unpack", INT4_UNPACK)
 @pytest.mark.parametrize("rows", [1, 9])
-def test_int4_linear_split_k_and_leading_dims(rows):
+def test_int4_linear_split_k_and_leading_dims(rows, unpack):
     """K split over programs (the last split shorter), x with leading dims."""
+    if rows == 1 and unpack != "planes":
+        pytest.skip("one row is the GEMV whatever the unpacking")
     g = torch.Generator().manual_seed(rows)
     packed, scale, dense = int4_weight(g, (48, 640), 32, torch.float32)
     x = torch.randn(1, rows, 640, generator=g)
     for split_k in (2, 3):
-        check_close(int4_linear(x, packed, scale, 32, split_k=split_k), x @ dense.T, torch.float32)
+        got = int4_linear(x, packed, scale, 32, split_k=split_k, unpack=unpack)
+        check_close(got, x @ dense.T, torch.float32)
 
 
 FP8_CASES = [  # (N, K, block): one partial block, partial blocks both ways, whole blocks, smaller blocks
@@ -127,7 +145,7 @@ def moe_reference(x, weights, ids, w_gate_up, w_down, first_expert, dtype):
     return out
 
 
-def check_moe_experts_int4(device, dtype, tokens, top_k, experts, hidden, inter, group, first_expert):
+def check_moe_experts_int4(device, dtype, tokens, top_k, experts, hidden, inter, group, first_expert, unpack="planes"):
     g = torch.Generator().manual_seed(tokens * 131 + experts)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     total = experts + first_expert + 2  # the model's experts; this rank holds `experts` of them
@@ -136,9 +154,8 @@ def check_moe_experts_int4(device, dtype, tokens, top_k, experts, hidden, inter,
     weights = torch.rand(tokens, top_k, generator=g).to(dtype)
     gu_packed, gu_scale, gu_dense = int4_weight(g, (experts, 2 * inter, hidden), group, dtype)
     down_packed, down_scale, down_dense = int4_weight(g, (experts, hidden, inter), group, dtype)
-    got = moe_experts_int4(
-        *(t.to(device) for t in (x, weights, ids, gu_packed, gu_scale, down_packed, down_scale)), group, first_expert
-    ).cpu()
+    quant = (x, weights, ids, gu_packed, gu_scale, down_packed, down_scale)
+    got = moe_experts_int4(*(t.to(device) for t in quant), group, first_expert, unpack=unpack).cpu()
     assert got.shape == (tokens, hidden) and got.dtype == dtype
     exact = moe_reference(x, weights, ids, gu_dense, down_dense, first_expert, torch.float32)
     err = (got.float() - exact).norm() / exact.norm()
@@ -165,10 +182,11 @@ MOE_CASES = [
 
 
 @interp
+@pytest.mark.parametrize("unpack", INT4_UNPACK)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the interpreter truncates, the GPU test
 @pytest.mark.parametrize("case", MOE_CASES)
-def test_moe_experts_int4(dtype, case):
-    check_moe_experts_int4("cpu", dtype, *case)
+def test_moe_experts_int4(dtype, case, unpack):
+    check_moe_experts_int4("cpu", dtype, *case, unpack=unpack)
 
 
 @pytest.mark.gpu
@@ -180,14 +198,16 @@ def test_quant_kernels_compiled(dtype):
         for n, k, group in INT4_CASES + [(2048, 7168, 32), (7168, 2048, 128)]:
             packed, scale, dense = int4_weight(g, (n, k), group, dtype)
             x = torch.randn(rows, k, generator=g).to(dtype)
-            got = int4_linear(x.cuda(), packed.cuda(), scale.cuda(), group).cpu()
-            check_close(got, x.float() @ dense.T, dtype)
+            for unpack in INT4_UNPACK:
+                got = int4_linear(x.cuda(), packed.cuda(), scale.cuda(), group, unpack=unpack).cpu()
+                check_close(got, x.float() @ dense.T, dtype)
         for n, k, block in FP8_CASES + [(2048, 7168, (128, 128)), (7168, 2112, (128, 128))]:
             w, scale_inv, dense = fp8_weight(g, n, k, block)
             x = torch.randn(rows, k, generator=g).to(dtype)
             check_close(fp8_block_linear(x.cuda(), w.cuda(), scale_inv.cuda(), block).cpu(), x.float() @ dense.T, dtype)
     for case in MOE_CASES + [(65, 8, 64, 1024, 256, 32, 0), (8, 8, 32, 7168, 2048, 32, 0)]:
-        check_moe_experts_int4("cuda", dtype, *case)
+        for unpack in INT4_UNPACK:
+            check_moe_experts_int4("cuda", dtype, *case, unpack=unpack)
 
 
 @pytest.mark.gpu

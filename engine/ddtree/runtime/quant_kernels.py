@@ -13,8 +13,9 @@ rounded to the activations' dtype before the dot, as the reference dequantises i
 model's) dtype; an FP8 weight is exact in bf16 and fp16, and scaled after the dot. One packed int32
 word holds eight consecutive k, so an INT4 K tile is read as [BLOCK_K / 8, BLOCK_N] words and its eight
 nibble planes (k = 8 i + j for plane j) go through eight tl.dot calls of inner size BLOCK_K / 8, against
-the matching stride-8 columns of x: each weight word is loaded once, with no reshapes. G is a multiple of
-8 (or K: per channel), so the eight k of a word share a scale.
+the matching stride-8 columns of x: each weight word is loaded once, with no reshapes. The alternatives
+in INT4_UNPACK unpack the whole [BLOCK_K, BLOCK_N] tile for one dot of inner size BLOCK_K instead. G is
+a multiple of 8 (or K: per channel), so the eight k of a word share a scale.
 
 One row (a decode step) takes a GEMV path without tl.dot (no padding to 16 rows); few rows use 16-row
 dot tiles. When the output has too few column tiles to fill the GPU, K is split across programs and the
@@ -42,6 +43,28 @@ if triton is not None:
         return (((words >> (4 * J)) & 0xF) - 8).to(tl.float32) * scale
 
     @triton.jit
+    def _int4_tile(
+        q_rows, s_rows, k0, K, n_ok, G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, UNPACK: tl.constexpr
+    ):
+        """The [BLOCK_K, BLOCK_N] weight tile for k0 + arange(BLOCK_K), dequantised to fp32 (zero past K) for
+        one dot of inner size BLOCK_K. "gather" loads each word once per k (8 times; the caches serve the
+        repeats), "expand" loads the [BLOCK_K / 8, BLOCK_N] words (and their scales) once and repeats them
+        in registers."""
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if UNPACK == "expand":  # words and their scales at word granularity, each repeated 8 times along K
+            word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            word_ok = (word < (K + 7) // 8)[:, None] & n_ok[None, :]
+            words = tl.load(q_rows + word[:, None], mask=word_ok, other=0)
+            scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=word_ok, other=0.0)
+            words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
+            scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        else:  # past K in the last word the scale is masked to zero (x is zero there too)
+            tile_ok = (kk < K)[:, None] & n_ok[None, :]
+            words = tl.load(q_rows + (kk // 8)[:, None], mask=tile_ok, other=0)
+            scale = tl.load(s_rows + (kk // G)[:, None], mask=tile_ok, other=0.0)
+        return (((words >> ((kk % 8) * 4)[:, None]) & 0xF) - 8).to(tl.float32) * scale.to(tl.float32)
+
+    @triton.jit
     def _int4_linear_kernel(
         x_ptr,
         q_ptr,
@@ -63,6 +86,7 @@ if triton is not None:
         GEMV: tl.constexpr,
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
+        UNPACK: tl.constexpr,  # "planes" (always for GEMV), "gather" or "expand": see _int4_tile
     ):
         # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice (all of K unless split)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,24 +102,35 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_SPLIT, BLOCK_K):
-            word = (split * K_SPLIT + k0) // 8 + i
-            w_ok = word < (K + 7) // 8
-            tile_ok = w_ok[:, None] & n_ok[None, :]
-            words = tl.load(q_rows + word[:, None], mask=tile_ok, other=0)
-            scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0).to(tl.float32)
-            for j in tl.static_range(8):
-                w = _nibbles(words, scale, j)
-                kk = word * 8 + j
-                if GEMV:
-                    a = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                    acc += w * a[:, None]
-                else:
-                    a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
-                    if FP32_DOT:  # the interpreter computes bf16 dots wrongly
-                        a = a.to(tl.float32)
+            if UNPACK == "planes":
+                word = (split * K_SPLIT + k0) // 8 + i
+                w_ok = word < (K + 7) // 8
+                tile_ok = w_ok[:, None] & n_ok[None, :]
+                words = tl.load(q_rows + word[:, None], mask=tile_ok, other=0)
+                scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+                for j in tl.static_range(8):
+                    w = _nibbles(words, scale, j)
+                    kk = word * 8 + j
+                    if GEMV:
+                        a = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                        acc += w * a[:, None]
                     else:
-                        w = w.to(a.dtype)
-                    acc = tl.dot(a, w, acc, input_precision=PRECISION)
+                        a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+                        if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+                            a = a.to(tl.float32)
+                        else:
+                            w = w.to(a.dtype)
+                        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            else:
+                start = split * K_SPLIT + k0
+                w = _int4_tile(q_rows, s_rows, start, K, n_ok, G, BLOCK_K, BLOCK_N, UNPACK)
+                kk = start + tl.arange(0, BLOCK_K)
+                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+                if FP32_DOT:
+                    a = a.to(tl.float32)
+                else:
+                    w = w.to(a.dtype)
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if GEMV:
             tl.store(out_ptr + split * part_s + n, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
         else:
@@ -191,6 +226,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        UNPACK: tl.constexpr,
     ):
         # moe_kernels._grouped_gemm_kernel with the expert's weight dequantised from packed INT4
         block = tl.program_id(0)
@@ -208,26 +244,43 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            word = k0 // 8 + i
-            w_ok = word < (K + 7) // 8
-            tile_ok = w_ok[:, None] & n_ok[None, :]
-            words = tl.load(q_rows + word[:, None], mask=tile_ok, other=0)
-            scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0).to(tl.float32)
-            if SILU_MUL:  # the up rows follow the N gate rows
-                words_up = tl.load(q_rows + N * q_stride_n + word[:, None], mask=tile_ok, other=0)
-                scale_up = tl.load(s_rows + N * s_stride_n + (word * 8 // G)[:, None], mask=tile_ok, other=0.0)
-                scale_up = scale_up.to(tl.float32)
-            for j in tl.static_range(8):
-                kk = word * 8 + j
+            if UNPACK == "planes":
+                word = k0 // 8 + i
+                w_ok = word < (K + 7) // 8
+                tile_ok = w_ok[:, None] & n_ok[None, :]
+                words = tl.load(q_rows + word[:, None], mask=tile_ok, other=0)
+                scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+                if SILU_MUL:  # the up rows follow the N gate rows
+                    words_up = tl.load(q_rows + N * q_stride_n + word[:, None], mask=tile_ok, other=0)
+                    scale_up = tl.load(s_rows + N * s_stride_n + (word * 8 // G)[:, None], mask=tile_ok, other=0.0)
+                    scale_up = scale_up.to(tl.float32)
+                for j in tl.static_range(8):
+                    kk = word * 8 + j
+                    a = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0.0)
+                    w = _nibbles(words, scale, j)
+                    if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+                        a = a.to(tl.float32)
+                    else:
+                        w = w.to(a.dtype)
+                    acc = tl.dot(a, w, acc, input_precision=PRECISION)
+                    if SILU_MUL:
+                        w_up = _nibbles(words_up, scale_up, j)
+                        if not FP32_DOT:
+                            w_up = w_up.to(a.dtype)
+                        acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+            else:
+                kk = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0.0)
-                w = _nibbles(words, scale, j)
-                if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+                w = _int4_tile(q_rows, s_rows, k0, K, n_ok, G, BLOCK_K, BLOCK_N, UNPACK)
+                if FP32_DOT:
                     a = a.to(tl.float32)
                 else:
                     w = w.to(a.dtype)
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
                 if SILU_MUL:
-                    w_up = _nibbles(words_up, scale_up, j)
+                    w_up = _int4_tile(
+                        q_rows + N * q_stride_n, s_rows + N * s_stride_n, k0, K, n_ok, G, BLOCK_K, BLOCK_N, UNPACK
+                    )
                     if not FP32_DOT:
                         w_up = w_up.to(a.dtype)
                     acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
@@ -252,12 +305,21 @@ def _groups_fit(k: int, group_size: int) -> bool:
     return k % group_size == 0 and (group_size % 8 == 0 or group_size == k)
 
 
-def _tiles(rows: int) -> tuple[int, int, int, int]:
+INT4_UNPACK = ("planes", "gather", "expand")
+"""How the INT4 dot path (two rows or more) unpacks a K tile: "planes", eight dots of inner size
+BLOCK_K / 8 over nibble planes; "gather" and "expand", one dot of inner size BLOCK_K over the whole tile
+(see _int4_tile). The decode GEMV (one row) is the same for all three."""
+
+
+def _tiles(rows: int, unpack: str = "planes") -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for `rows` rows: untuned starting points for a memory-bound
     weight read. One row is a GEMV (BLOCK_M unused); up to 64 rows take the smallest dot tile that holds
-    them, so each weight tile is read by one program or few; wider batches 64-row tiles."""
+    them, so each weight tile is read by one program or few; wider batches 64-row tiles (128 for the
+    one-dot unpackings, whose dequantisation is shared by twice the rows)."""
     if rows == 1:
         return 1, 32, 4, 3
+    if rows > 64 and unpack != "planes":
+        return 128, 64, 4, 3
     return (16 if rows <= 16 else 32 if rows <= 32 else 64), 64, 4, 3
 
 
@@ -270,7 +332,16 @@ def _splits(device: torch.device, tiles: int, k_steps: int) -> int:
 
 
 def _launch(
-    kernel, x: Tensor, weight: Tensor, scale: Tensor, n_out: int, k: int, block_k: int, split_k: int | None, **meta
+    kernel,
+    x: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    n_out: int,
+    k: int,
+    block_k: int,
+    split_k: int | None,
+    unpack: str = "planes",
+    **meta,
 ) -> Tensor:
     """Runs a linear kernel over x [..., K]: tiles from _tiles, K split as asked (None: _splits), the
     partial products (fp32) summed after."""
@@ -278,7 +349,7 @@ def _launch(
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
     assert x2.stride(-1) == 1 and weight.stride(-1) == 1 and scale.stride(-1) == 1
-    block_m, block_n, warps, stages = _tiles(rows)
+    block_m, block_n, warps, stages = _tiles(rows, unpack)
     grid_mn = (triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))
     k_steps = triton.cdiv(k, block_k)
     splits = split_k or _splits(x.device, grid_mn[0] * grid_mn[1], k_steps)
@@ -315,18 +386,40 @@ def _launch(
 
 
 def int4_linear(
-    x: Tensor, packed: Tensor, scale: Tensor, group_size: int, block_k: int | None = None, split_k: int | None = None
+    x: Tensor,
+    packed: Tensor,
+    scale: Tensor,
+    group_size: int,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    unpack: str = "planes",
 ) -> Tensor:
     """x [..., K] @ w.T for the INT4 weight packed [N, ceil(K / 8)] (int32), scale [N, K / G] (W4A16): [..., N] in
-    x.dtype. block_k: a multiple of 128 (a nibble plane is a dot of inner size block_k / 8); None: 256 for
-    one row, 128 for dot tiles (256 took 200+ registers a thread on sm_90 and spilled at BLOCK_N 128).
-    split_k: K splits (None: enough to fill the GPU)."""
+    x.dtype. block_k: for one row and "planes", a multiple of 128 (a nibble plane is a dot of inner size
+    block_k / 8); for "gather" and "expand", a power of two from 16. None: 256 for one row, else
+    _dot_block_k (256 took 200+ registers a thread on sm_90 and spilled at BLOCK_N 128). split_k: K splits
+    (None: enough to fill the GPU). unpack: one of INT4_UNPACK (one row: always the GEMV)."""
     k = x.shape[-1]
-    block_k = block_k or (256 if x.numel() == k else 128)
+    gemv = x.numel() == k
+    unpack = "planes" if gemv else unpack
+    block_k = block_k or (256 if gemv else _dot_block_k(x.dtype, unpack))
     n_out = packed.shape[0]
     assert packed.dtype == torch.int32 and packed.shape[1] == triton.cdiv(k, 8) and _groups_fit(k, group_size)
-    assert scale.shape == (n_out, k // group_size) and block_k % 128 == 0
-    return _launch(_int4_linear_kernel, x, packed, scale, n_out, k, block_k, split_k, G=group_size)
+    assert scale.shape == (n_out, k // group_size) and unpack in INT4_UNPACK and _block_k_fits(block_k, unpack)
+    return _launch(
+        _int4_linear_kernel, x, packed, scale, n_out, k, block_k, split_k, unpack, G=group_size, UNPACK=unpack
+    )
+
+
+def _dot_block_k(dtype: torch.dtype, unpack: str) -> int:
+    """128; 32 for one dot over fp32 activations (an ieee fp32 dot is FMAs: at 128 it spilled thousands of
+    bytes and, at 128 rows, took more shared memory than an SM has)."""
+    return 32 if dtype == torch.float32 and unpack != "planes" else 128
+
+
+def _block_k_fits(block_k: int, unpack: str) -> bool:
+    """Planes need 16+ k each (a dot's inner size); one dot over the tile, a power of two from 16."""
+    return block_k % 128 == 0 if unpack == "planes" else block_k >= 16 and block_k & (block_k - 1) == 0
 
 
 def fp8_block_linear(
@@ -359,15 +452,21 @@ def grouped_gemm_int4(
     a_div: int,
     silu_mul: bool = False,
     block_m: int = 16,
-    block_n: int = 64,
-    block_k: int = 128,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    unpack: str = "planes",
 ) -> Tensor:
     """moe_kernels.grouped_gemm for INT4 experts: packed [E, N, ceil(K / 8)] (int32), scale [E, N, K / G], or
-    [E, 2 N, ...] with silu_mul (gate rows, then up rows). `block_m` must be align_pairs'."""
+    [E, 2 N, ...] with silu_mul (gate rows, then up rows). `block_m` must be align_pairs'. unpack: one of
+    INT4_UNPACK. block_n None: 64, or 32 for "gather" with silu_mul (its two [128, 64] pointer tiles of
+    gathered words and scales spilled on sm_90). block_k None: _dot_block_k."""
     experts, n_rows, words = packed.shape
     n = n_rows // 2 if silu_mul else n_rows
     k = a.shape[-1]
-    assert a.stride(-1) == 1 and packed.stride(-1) == 1 and scale.stride(-1) == 1 and block_k % 128 == 0
+    block_n = block_n or (32 if silu_mul and unpack == "gather" else 64)
+    block_k = block_k or _dot_block_k(a.dtype, unpack)
+    assert a.stride(-1) == 1 and packed.stride(-1) == 1 and scale.stride(-1) == 1
+    assert unpack in INT4_UNPACK and _block_k_fits(block_k, unpack)
     assert packed.dtype == torch.int32 and words == triton.cdiv(k, 8) and _groups_fit(k, group_size)
     assert scale.shape == (experts, n_rows, k // group_size)
     out = torch.zeros(pairs, n, dtype=a.dtype, device=a.device)
@@ -395,6 +494,7 @@ def grouped_gemm_int4(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        UNPACK=unpack,
     )
     return out
 
@@ -409,16 +509,28 @@ def moe_experts_int4(
     down_scale: Tensor,
     group_size: int,
     first_expert: int = 0,
+    unpack: str = "planes",
 ) -> Tensor:
     """moe_kernels.moe_experts for INT4 experts: gate_up_packed [E, 2 I, H / 8] with gate_up_scale
-    [E, 2 I, H / G], down_packed [E, H, I / 8] with down_scale [E, H, I / G]."""
+    [E, 2 I, H / G], down_packed [E, H, I / 8] with down_scale [E, H, I / G]. unpack: one of INT4_UNPACK."""
     tokens, top_k = ids.shape
     experts = gate_up_packed.shape[0]
     rows, block_expert = align_pairs(ids - first_expert, experts, block_m=16)
     pairs = tokens * top_k
     act = grouped_gemm_int4(
-        x, gate_up_packed, gate_up_scale, group_size, rows, block_expert, pairs, a_div=top_k, silu_mul=True
+        x,
+        gate_up_packed,
+        gate_up_scale,
+        group_size,
+        rows,
+        block_expert,
+        pairs,
+        a_div=top_k,
+        silu_mul=True,
+        unpack=unpack,
     )
-    down = grouped_gemm_int4(act, down_packed, down_scale, group_size, rows, block_expert, pairs, a_div=1)
+    down = grouped_gemm_int4(
+        act, down_packed, down_scale, group_size, rows, block_expert, pairs, a_div=1, unpack=unpack
+    )
     # the k products summed in fp32, rounded once
     return (down.view(tokens, top_k, -1).float() * weights[..., None].float()).sum(dim=1).to(x.dtype)
