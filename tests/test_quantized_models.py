@@ -94,10 +94,10 @@ def causal(n):
 
 
 def prefill_logits(target, ids):
-    j = torch.arange(ids.shape[1])
+    j = torch.arange(ids.shape[1], device=ids.device)
     target.setup_caches(1, ids.shape[1])
     with torch.no_grad():
-        return target(ids, j[None], j[None], causal(ids.shape[1]))[0]
+        return target(ids, j[None], j[None], causal(ids.shape[1]).to(ids.device))[0]
 
 
 def test_loads_as_published_and_equals_transformers_on_the_dequantized_weights(quantized):
@@ -159,3 +159,23 @@ def test_splitting_fp8_attention_weights_is_refused_in_one_line(tmp_path):
         ValueError, match=r"not supported yet \(model\.layers\.0\.self_attn\.q_a_proj would be sliced\)"
     ):
         load_pretrained(folder, torch.float32, "cpu", shard=lambda m: shard(m, 0, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
+def test_triton_backend_on_the_gpu_equals_transformers_and_stays_lossless(quantized):
+    """On the GPU the Triton backend runs the quantized layers: INT4 experts through the grouped W4A16 GEMM,
+    FP8 layers through the FP8 block GEMM (fp32 activations: the reference's numbers within 1e-3)."""
+    _, hf, folder = quantized
+    target = load_pretrained(folder, torch.float32, "cuda")
+    use_backend(target, "triton")
+    ids = torch.tensor([PROMPTS[2] * 2])
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(prefill_logits(target, ids.cuda()).cpu(), expected, atol=1e-3, rtol=1e-3)
+    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=8), seed=0).cuda()
+    out = {}
+    for method, budget in (("ar", None), ("ddtree", 8)):
+        engine = Engine(target, drafter, method, budget, max_batch_size=3, max_seq_len=96)
+        out[method] = [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=16))]
+    assert out["ddtree"] == out["ar"]

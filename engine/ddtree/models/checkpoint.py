@@ -254,6 +254,7 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 _READ_CHUNK = 64 << 20  # bytes read at once for a column slice (bounds the transient host memory)
+_MIN_PIECE = 4096  # a column slice with rows of at least this many bytes is read row by row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,8 +320,22 @@ class SafetensorsFolder:
         if dim == 0:
             return self._read_rows(t, start, length)
         rows, row_bytes = t.shape[0], t.nbytes // t.shape[0]
+        piece = row_bytes // t.shape[1] * length
+        if piece >= _MIN_PIECE:  # each row's piece on its own: only this rank's bytes come off the disk
+            raw = bytearray(rows * piece)
+            buf = memoryview(raw)
+            first = t.offset + row_bytes // t.shape[1] * start
+            fd = os.open(t.file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, t.offset, t.nbytes, os.POSIX_FADV_RANDOM)  # no read-ahead into the gaps
+                for row in range(rows):
+                    if os.preadv(fd, [buf[row * piece : (row + 1) * piece]], first + row * row_bytes) != piece:
+                        raise ValueError(f"{t.file} is truncated")
+            finally:
+                os.close(fd)
+            return torch.frombuffer(raw, dtype=t.dtype).reshape(rows, length, *t.shape[2:])
         out = torch.empty(rows, length, *t.shape[2:], dtype=t.dtype)
-        step = max(1, _READ_CHUNK // row_bytes)
+        step = max(1, _READ_CHUNK // row_bytes)  # small pieces: whole rows in chunks, the columns kept
         for first in range(0, rows, step):
             block = self._read_rows(t, first, min(step, rows - first))
             out[first : first + block.shape[0]] = block[:, start : start + length]

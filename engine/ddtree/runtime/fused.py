@@ -292,8 +292,11 @@ class FusedMoE(_Swapped, SparseMoE):
     def adopt(self) -> None:
         experts = cast(list[MLP], list(self.experts))
         first = experts[0].gate_proj
-        names = {Int4Linear: ("weight_packed", "weight_scale"), Fp8BlockLinear: ("weight", "weight_scale_inv")}
-        weight, scale = names.get(type(first), ("weight", None))  # type: ignore[call-overload]
+        weight, scale = "weight", None
+        if isinstance(first, Int4Linear):
+            weight, scale = "weight_packed", "weight_scale"
+        elif isinstance(first, Fp8BlockLinear):
+            scale = "weight_scale_inv"
 
         def stacked(name: str, projections: tuple[str, ...]) -> Tensor:
             parts = [getattr(getattr(e, p), name) for e in experts for p in projections]
