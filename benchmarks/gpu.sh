@@ -80,6 +80,16 @@ json.dump(quant_gemm_micro(), open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/quant
 from ddtree.models.random import write_random_checkpoint
 print(write_random_checkpoint("qwen3-8b", sys.argv[1], "cuda", torch.bfloat16))' "$ckpt"
       : > "$OUT_DIR/load.jsonl"
+      # the disk's own sequential read rate, for comparison: every shard read once with 16 MB reads
+      sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true
+      $PY -c 'import json, pathlib, sys, time
+start, n = time.perf_counter(), 0
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.safetensors")):
+    with open(f, "rb", buffering=0) as h:
+        while chunk := h.read(16 << 20):
+            n += len(chunk)
+s = time.perf_counter() - start
+print(json.dumps({"sequential_read_bytes": n, "seconds": round(s, 2), "GBps": round(n / s / 1e9, 2)}))' "$ckpt" >> "$OUT_DIR/load.jsonl"
       for rank_world in "0 1" "0 2" "1 2"; do
         sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && cold=true || cold=false
         $PY -c 'import json, sys, torch

@@ -235,13 +235,25 @@ def _graph_ms(fn, reps: int = 50) -> float:
 def quant_gemm_micro(device="cuda") -> dict:
     """The W4A16 (INT4 group 32) and FP8 block GEMMs of runtime/quant_kernels.py at decode and verify widths,
     against the HBM bound of the bytes they must read (weights, scales, activations) and against a bf16
-    cuBLAS GEMM of the same shape (which reads 4x or 2x the weight bytes)."""
+    cuBLAS GEMM of the same shape (which reads 4x or 2x the weight bytes); INT4 in each way of unpacking
+    (INT4_UNPACK); and the grouped INT4 experts of one Kimi K2.6 MoE layer."""
+    from .quant_kernels import INT4_UNPACK
+
     bw = copy_bandwidth(device)
-    shapes = {name: _quant_gemm_rows(kind, n, k, bw, device) for name, (kind, n, k) in QUANT_SHAPES.items()}
-    return {"copy_bandwidth_GBps": round(bw / 1e9, 1), "rows": list(QUANT_ROWS), "shapes": shapes}
+    shapes = {}
+    for name, (kind, n, k) in QUANT_SHAPES.items():
+        for unpack in INT4_UNPACK if kind == "int4" else (None,):
+            label = f"{name} ({unpack})" if unpack else name
+            shapes[label] = _quant_gemm_rows(kind, n, k, bw, device, unpack)
+    return {
+        "copy_bandwidth_GBps": round(bw / 1e9, 1),
+        "rows": list(QUANT_ROWS),
+        "shapes": shapes,
+        "kimi_moe_layer": _kimi_moe_layer(bw, device),
+    }
 
 
-def _quant_gemm_rows(kind: str, n: int, k: int, bw: float, device) -> dict:
+def _quant_gemm_rows(kind: str, n: int, k: int, bw: float, device, unpack: str | None) -> dict:
     from ..models.quant import quantize_fp8_block
     from .quant_kernels import fp8_block_linear, int4_linear
 
@@ -252,7 +264,7 @@ def _quant_gemm_rows(kind: str, n: int, k: int, bw: float, device) -> dict:
         stored = packed.nbytes + scale.nbytes
 
         def run(x):
-            return int4_linear(x, packed, scale, 32)
+            return int4_linear(x, packed, scale, 32, unpack=unpack or "planes")
     else:
         fp8, scale_inv = quantize_fp8_block(dense)
         stored = fp8.nbytes + scale_inv.nbytes
@@ -275,31 +287,29 @@ def _quant_gemm_rows(kind: str, n: int, k: int, bw: float, device) -> dict:
     return {"kind": kind, "n": n, "k": k, "weight_bytes": stored, "by_rows": rows}
 
 
-def load_time(folder, device, dtype, rank: int = 0, world: int = 1) -> dict:
-    """Seconds and peak host memory of loading a checkpoint folder as rank `rank` of `world` (each rank reads
-    only its slices: loading needs no process group, so the ranks can be timed one after another)."""
-    from ..models.registry import load_pretrained
-    from .parallel import shard
+def _kimi_moe_layer(bw: float, device, experts: int = 384, hidden: int = 7168, inter: int = 2048) -> dict:
+    """One Kimi K2.6 MoE layer's routed experts (INT4 group 32, top 8 of 384) through moe_experts_int4, for
+    1 / 9 / 33 tokens and 8 x 33, against the bound of reading the chosen experts once."""
+    from .quant_kernels import INT4_UNPACK, moe_experts_int4
 
-    status = lambda: dict(line.split(":", 1) for line in open("/proc/self/status"))  # noqa: E731
-    before = int(status()["VmRSS"].split()[0]) * 1024
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak resident size restarts here
-    start = time.perf_counter()
-    cut = (lambda m: shard(m, rank, world)) if world > 1 else None
-    target = load_pretrained(folder, dtype, device, shard=cut, label=f"rank {rank}")
-    _sync(torch.device(device))
-    seconds = time.perf_counter() - start
-    peak = int(status()["VmHWM"].split()[0]) * 1024
-    loaded = weight_bytes(target)
-    return {
-        "rank": rank,
-        "world": world,
-        "seconds": round(seconds, 2),
-        "rank_bytes": loaded,
-        "GBps": round(loaded / seconds / 1e9, 2),
-        "host_peak_growth_bytes": peak - before,
-    }
+    def packed(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        words = torch.randint(-(2**31), 2**31 - 1, (experts, rows, cols // 8), dtype=torch.int32, device=device)
+        return words, torch.full((experts, rows, cols // 32), 0.004, dtype=torch.bfloat16, device=device)
+
+    gate_up, down = packed(2 * inter, hidden), packed(hidden, inter)
+    per_expert = sum(t[0].nbytes for t in (*gate_up, *down))
+    out: dict[str, Any] = {}
+    for tokens in (1, 9, 33, 264):
+        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+        ids = torch.rand(tokens, experts, device=device).topk(8, dim=-1).indices.int()
+        weights = torch.rand(tokens, 8, device=device, dtype=torch.bfloat16)
+        bound = (ids.unique().numel() * per_expert + 2 * x.nbytes) / bw * 1000
+        row: dict[str, Any] = {"experts_read": ids.unique().numel(), "bound_ms": round(bound, 4)}
+        for unpack in INT4_UNPACK:
+            ms = _graph_ms(lambda: moe_experts_int4(x, weights, ids, *gate_up, *down, 32, unpack=unpack))  # noqa: B023
+            row[unpack] = {"ms": round(ms, 4), "over_bound": round(ms / bound, 2)}
+        out[str(tokens)] = row
+    return out
 
 
 def count_host_syncs(engine: Engine, n: int) -> float:
