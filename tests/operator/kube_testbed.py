@@ -153,8 +153,11 @@ def node_ready(node) -> bool:
 @contextlib.contextmanager
 def operator_environment(kubeconfig: pathlib.Path):
     """What the chart's Deployment gives the operator, for a run inside the test process."""
-    saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "DDTREE_ENGINE_IMAGE", "NO_PROXY")}
+    saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "DDTREE_ENGINE_IMAGE", "NO_PROXY", "HF_ENDPOINT")}
     os.environ.update(KUBECONFIG=str(kubeconfig), DDTREE_ENGINE_IMAGE=ENGINE_IMAGE, NO_PROXY="127.0.0.1,localhost")
+    # the fit check fetches configs from the hub: here a closed local port (refused at once), unless a
+    # test serves a fake hub
+    os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
     try:
         yield
     finally:

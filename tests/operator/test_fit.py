@@ -17,8 +17,9 @@ KIMI = json.loads((CONFIGS / "kimi-k2.6.json").read_text())
 KIMI_REF = ConfigRef("moonshotai/Kimi-K2.6", "main")
 DRAFTER_REF = ConfigRef("z-lab/Kimi-K2.6-DFlash", "main")
 H200 = 141 << 30
-# A DFlash drafter of Kimi's width (the published partial drafter config, completed with an MLP width).
-DRAFTER = {**json.loads((CONFIGS / "dflash-kimi-k2.5.json").read_text()), "intermediate_size": 18432}
+# Kimi K2.6's DFlash drafter (partial; its MLP width derived from the published weight size: SOURCES.md)
+DRAFTER = json.loads((CONFIGS / "dflash-kimi-k2.6.json").read_text())
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "kimi-ddtree.yaml"
 
 
 def kimi(tensor: int, **overrides) -> SpeculativeDeploymentSpec:
@@ -153,3 +154,18 @@ def test_a_config_that_cannot_be_had_or_read_never_blocks():
     assert unreadable.result == "Skipped" and unreadable.message.startswith("memory plan skipped: no plan for")
     odd = decide(plan_inputs(kimi(1)), {KIMI_REF: {"model_type": "llama"}})  # missing keys: any error skips
     assert odd.result == "Skipped"
+
+
+@pytest.mark.parametrize("gpu_memory", ["141Gi", "288G"], ids=["8xH200", "8xB300"])
+def test_the_kimi_example_fits_its_node(gpu_memory):
+    """examples/kimi-ddtree.yaml as written (its context, batch, budget and parallelism) against the
+    published Kimi K2.6 config and its drafter's, on 8 H200s and on 8 B300s."""
+    import yaml
+
+    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    spec["resources"]["gpuMemory"] = gpu_memory
+    inputs = plan_inputs(SpeculativeDeploymentSpec.model_validate(spec))
+    assert isinstance(inputs, PlanInputs) and inputs.drafter is not None
+    assert (inputs.gpus, inputs.max_context, inputs.max_batch) == (8, 16384, 16)
+    check = decide(inputs, {inputs.target: KIMI, inputs.drafter: DRAFTER})
+    assert check.result == "Fits", check.message

@@ -96,8 +96,9 @@ def test_kimi_example_uses_eight_gpus_with_tensor_parallelism():
     deployment = render_deployment(OWNER, example("kimi-ddtree.yaml"), DEFAULTS)
     engine = container(deployment)
     config = mounted_config(example("kimi-ddtree.yaml"))
-    assert config["parallel"] == {"tensor_parallel": 8} and config["speculation"]["budget"] == 32
-    assert engine["resources"]["limits"] == {"memory": "1000Gi", "nvidia.com/gpu": "8"}
+    assert config["parallel"] == {"tensor_parallel": 8, "expert_parallel": 8} and config["speculation"]["budget"] == 32
+    assert config["model"]["trust_remote_code"] is True and config["serving"]["max_seq_len"] == 16384
+    assert engine["resources"]["limits"] == {"memory": "256Gi", "nvidia.com/gpu": "8"}
     pod = deployment["spec"]["template"]["spec"]
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
