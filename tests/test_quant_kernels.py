@@ -35,10 +35,10 @@ def fp8_weight(g, n, k, block):
     return w, scale_inv, dequantize_fp8_block(w, scale_inv, block, torch.float32)
 
 
-def check_close(got, exact, dtype):
+def check_close(got, exact, dtype, case=None):
     assert got.dtype == dtype and got.shape == exact.shape
     err = (got.float() - exact).norm() / exact.norm()
-    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err  # bf16: rounding of the output (and weight)
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), (case, err)  # bf16: output (and weight) rounding
 
 
 def test_the_int4_layout_is_compressed_tensors_pack_quantized():
@@ -189,25 +189,43 @@ def test_moe_experts_int4(dtype, case, unpack):
     check_moe_experts_int4("cpu", dtype, *case, unpack=unpack)
 
 
+GPU_DTYPES = [torch.float32, torch.bfloat16]
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quant_kernels_compiled(dtype):
+@pytest.mark.parametrize("unpack", INT4_UNPACK)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_int4_linear_compiled(dtype, unpack):
     g = torch.Generator().manual_seed(0)
     for rows in (1, 9, 33, 65, 300):
         for n, k, group in INT4_CASES + [(2048, 7168, 32), (7168, 2048, 128)]:
             packed, scale, dense = int4_weight(g, (n, k), group, dtype)
             x = torch.randn(rows, k, generator=g).to(dtype)
-            for unpack in INT4_UNPACK:
-                got = int4_linear(x.cuda(), packed.cuda(), scale.cuda(), group, unpack=unpack).cpu()
-                check_close(got, x.float() @ dense.T, dtype)
+            got = int4_linear(x.cuda(), packed.cuda(), scale.cuda(), group, unpack=unpack).cpu()
+            check_close(got, x.float() @ dense.T, dtype, (rows, n, k, group))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_fp8_block_linear_compiled(dtype):
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 9, 33, 65, 300):
         for n, k, block in FP8_CASES + [(2048, 7168, (128, 128)), (7168, 2112, (128, 128))]:
             w, scale_inv, dense = fp8_weight(g, n, k, block)
             x = torch.randn(rows, k, generator=g).to(dtype)
-            check_close(fp8_block_linear(x.cuda(), w.cuda(), scale_inv.cuda(), block).cpu(), x.float() @ dense.T, dtype)
+            got = fp8_block_linear(x.cuda(), w.cuda(), scale_inv.cuda(), block).cpu()
+            check_close(got, x.float() @ dense.T, dtype, (rows, n, k, block))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("unpack", INT4_UNPACK)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_moe_experts_int4_compiled(dtype, unpack):
     for case in MOE_CASES + [(65, 8, 64, 1024, 256, 32, 0), (8, 8, 32, 7168, 2048, 32, 0)]:
-        for unpack in INT4_UNPACK:
-            check_moe_experts_int4("cuda", dtype, *case, unpack=unpack)
+        check_moe_experts_int4("cuda", dtype, *case, unpack=unpack)
 
 
 @pytest.mark.gpu

@@ -308,7 +308,11 @@ def _groups_fit(k: int, group_size: int) -> bool:
 INT4_UNPACK = ("planes", "gather", "expand")
 """How the INT4 dot path (two rows or more) unpacks a K tile: "planes", eight dots of inner size
 BLOCK_K / 8 over nibble planes; "gather" and "expand", one dot of inner size BLOCK_K over the whole tile
-(see _int4_tile). The decode GEMV (one row) is the same for all three."""
+(see _int4_tile). The decode GEMV (one row) is the same for all three. Defaults, from one H200
+(docs/benchmarks.md, "Loading and quantized weights"): "expand" for int4_linear (2.6x faster than
+"planes" at 33 rows of Kimi's expert shapes), "planes" for the grouped expert GEMM (1.4x faster than
+"expand" there); "gather" was slowest in both."""
+LINEAR_UNPACK, GROUPED_UNPACK = "expand", "planes"
 
 
 def _tiles(rows: int, unpack: str = "planes") -> tuple[int, int, int, int]:
@@ -392,7 +396,7 @@ def int4_linear(
     group_size: int,
     block_k: int | None = None,
     split_k: int | None = None,
-    unpack: str = "planes",
+    unpack: str = LINEAR_UNPACK,
 ) -> Tensor:
     """x [..., K] @ w.T for the INT4 weight packed [N, ceil(K / 8)] (int32), scale [N, K / G] (W4A16): [..., N] in
     x.dtype. block_k: for one row and "planes", a multiple of 128 (a nibble plane is a dot of inner size
@@ -454,7 +458,7 @@ def grouped_gemm_int4(
     block_m: int = 16,
     block_n: int | None = None,
     block_k: int | None = None,
-    unpack: str = "planes",
+    unpack: str = GROUPED_UNPACK,
 ) -> Tensor:
     """moe_kernels.grouped_gemm for INT4 experts: packed [E, N, ceil(K / 8)] (int32), scale [E, N, K / G], or
     [E, 2 N, ...] with silu_mul (gate rows, then up rows). `block_m` must be align_pairs'. unpack: one of
@@ -509,7 +513,7 @@ def moe_experts_int4(
     down_scale: Tensor,
     group_size: int,
     first_expert: int = 0,
-    unpack: str = "planes",
+    unpack: str = GROUPED_UNPACK,
 ) -> Tensor:
     """moe_kernels.moe_experts for INT4 experts: gate_up_packed [E, 2 I, H / 8] with gate_up_scale
     [E, 2 I, H / G], down_packed [E, H, I / 8] with down_scale [E, H, I / G]. unpack: one of INT4_UNPACK."""
