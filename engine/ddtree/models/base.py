@@ -146,40 +146,68 @@ class CausalLM(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
 
+READ_AHEAD = 4  # tensors read by threads while the main thread moves earlier ones to the device
+
+
 @torch.no_grad()
 def read_weights(model: nn.Module, stored, names: dict[str, str], dtype, device, keep_dtype, label: str = "") -> None:
     """Replace every meta tensor of `model` that has a checkpoint name by the stored tensor, or by the
     slice keep_rows / keep_cols recorded on it, read straight to `device`; floating tensors in `dtype`
-    but FP8 and the `keep_dtype` suffixes. Shows progress (tensors, bytes, rate) when it takes a while."""
-    progress = LoadProgress(label, sum(stored.tensors[names[n]].nbytes for n in _named(model)))
-    loaded: dict[int, Tensor] = {}
+    but FP8 and the `keep_dtype` suffixes. READ_AHEAD threads read the next tensors (file reads release
+    the GIL) while this one is converted and copied. Shows progress (tensors, bytes, rate) when slow."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    slots: list[tuple[dict, str, Tensor]] = []  # (the module's table, the name in it, the meta tensor)
+    first: dict[int, Tensor] = {}  # each tensor once (tied weights share one)
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for local, t in table.items():
-                if t is None or t.device.type != "meta" or not hasattr(t, "checkpoint_name"):
-                    continue
-                if id(t) not in loaded:
-                    name = t.checkpoint_name
-                    data = stored.read(names[name], getattr(t, "checkpoint_slice", None))
-                    if _exact(t) and data.dtype != t.dtype:  # quantized weights are taken as published
-                        if data.is_floating_point() or t.is_floating_point():
-                            raise ValueError(f"checkpoint tensor {names[name]} is {data.dtype}, expected {t.dtype}")
-                        data = data.to(t.dtype)  # an integer shape or index tensor
-                    if data.is_floating_point() and not _exact(t) and not name.endswith(keep_dtype):
-                        data = data.to(dtype)
-                    data = data.to(device)
-                    if getattr(t, "zeroed", False):
-                        data.zero_()
-                    if data.shape != t.shape:
-                        raise ValueError(
-                            f"checkpoint tensor {names[name]} has shape {tuple(data.shape)}, expected {tuple(t.shape)}"
-                        )
-                    loaded[id(t)] = (
-                        nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
-                    )
-                    progress.add(data.nbytes)
-                table[local] = loaded[id(t)]  # type: ignore[assignment]  # a buffer's table holds tensors
+                if t is not None and t.device.type == "meta" and hasattr(t, "checkpoint_name"):
+                    slots.append((table, local, t))
+                    first.setdefault(id(t), t)
+    todo = list(first.values())
+    progress = LoadProgress(label, sum(stored.tensors[names[_source(t)]].nbytes for t in todo))
+
+    def read(t: Tensor) -> Tensor:
+        return stored.read(names[_source(t)], getattr(t, "checkpoint_slice", None))
+
+    loaded: dict[int, Tensor] = {}
+    with ThreadPoolExecutor(READ_AHEAD) as pool:
+        pending: list[Future | None] = [pool.submit(read, t) for t in todo[:READ_AHEAD]]
+        for i, t in enumerate(todo):
+            future = pending[i]
+            assert future is not None
+            data = future.result()
+            if i + READ_AHEAD < len(todo):  # keep READ_AHEAD reads in flight, no more (host memory)
+                pending.append(pool.submit(read, todo[i + READ_AHEAD]))
+            pending[i] = None  # its buffer is freed once copied
+            loaded[id(t)] = _placed(t, data, names, dtype, device, keep_dtype)
+            progress.add(loaded[id(t)].nbytes)
+    for table, local, t in slots:
+        table[local] = loaded[id(t)]  # type: ignore[assignment]  # a Parameter where t was one
     progress.done()
+
+
+def _placed(t: Tensor, data: Tensor, names: dict[str, str], dtype, device, keep_dtype) -> Tensor:
+    """The checkpoint tensor `data` for the meta tensor `t`: checked, in its run dtype, on `device`."""
+    name = _source(t)
+    if _exact(t) and data.dtype != t.dtype:  # quantized weights are taken as published
+        if data.is_floating_point() or t.is_floating_point():
+            raise ValueError(f"checkpoint tensor {names[name]} is {data.dtype}, expected {t.dtype}")
+        data = data.to(t.dtype)  # an integer shape or index tensor
+    if data.is_floating_point() and not _exact(t) and not name.endswith(keep_dtype):
+        data = data.to(dtype)
+    data = data.to(device)
+    if getattr(t, "zeroed", False):
+        data.zero_()
+    if data.shape != t.shape:
+        raise ValueError(f"checkpoint tensor {names[name]} has shape {tuple(data.shape)}, expected {tuple(t.shape)}")
+    return nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+
+
+def _source(t: Tensor) -> str:
+    """The checkpoint name from_pretrained gave a meta tensor."""
+    return t.checkpoint_name  # type: ignore[attr-defined]
 
 
 def _exact(t: Tensor) -> bool:

@@ -312,6 +312,33 @@ def _kimi_moe_layer(bw: float, device, experts: int = 384, hidden: int = 7168, i
     return out
 
 
+def load_time(folder, device, dtype, rank: int = 0, world: int = 1) -> dict:
+    """Seconds and peak host memory of loading a checkpoint folder as rank `rank` of `world` (each rank reads
+    only its slices: loading needs no process group, so the ranks can be timed one after another)."""
+    from ..models.registry import load_pretrained
+    from .parallel import shard
+
+    status = lambda: dict(line.split(":", 1) for line in open("/proc/self/status"))  # noqa: E731
+    before = int(status()["VmRSS"].split()[0]) * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident size restarts here
+    start = time.perf_counter()
+    cut = (lambda m: shard(m, rank, world)) if world > 1 else None
+    target = load_pretrained(folder, dtype, device, shard=cut, label=f"rank {rank}")
+    _sync(torch.device(device))
+    seconds = time.perf_counter() - start
+    peak = int(status()["VmHWM"].split()[0]) * 1024
+    loaded = weight_bytes(target)
+    return {
+        "rank": rank,
+        "world": world,
+        "seconds": round(seconds, 2),
+        "rank_bytes": loaded,
+        "GBps": round(loaded / seconds / 1e9, 2),
+        "host_peak_growth_bytes": peak - before,
+    }
+
+
 def count_host_syncs(engine: Engine, n: int) -> float:
     """Host synchronisations per round from profiler traces: (syncs in 8 rounds - syncs in 3 rounds) / 5,
     so that the profiler's own start/stop synchronisation cancels out."""
