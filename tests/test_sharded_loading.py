@@ -89,7 +89,7 @@ def test_a_slice_reads_the_rows_or_columns_asked_for(tmp_path):
 
     tensors = {
         "w": torch.randn(300, 70),
-        "wide": torch.randn(10, 4096),  # a column slice of 8 KB per row: read row by row
+        "wide": torch.randn(4, 1 << 19),  # a column slice of 1 MiB per row: read row by row
         "b": torch.randn(5).bfloat16(),
         "q": torch.randn(64, 128).to(torch.float8_e4m3fn),
         "i": torch.randint(0, 9, (10, 4), dtype=torch.int32),
@@ -102,5 +102,5 @@ def test_a_slice_reads_the_rows_or_columns_asked_for(tmp_path):
         assert read.dtype == t.dtype and torch.equal(read.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
     assert torch.equal(stored.read("w", (0, 100, 100)), tensors["w"][100:200])
     assert torch.equal(stored.read("w", (1, 35, 35)), tensors["w"][:, 35:])
-    assert torch.equal(stored.read("wide", (1, 1024, 2048)), tensors["wide"][:, 1024:3072])
+    assert torch.equal(stored.read("wide", (1, 1 << 18, 1 << 18)), tensors["wide"][:, 1 << 18 :])
     assert torch.equal(stored.read("q", (1, 64, 64)).view(torch.uint8), tensors["q"][:, 64:].view(torch.uint8))
