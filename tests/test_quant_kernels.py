@@ -165,7 +165,9 @@ def check_moe_experts_int4(device, dtype, tokens, top_k, experts, hidden, inter,
     ).cpu()
     if dtype == torch.float32:
         assert err < 1e-5, err
-        torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
+        # two fp32 GEMMs summing in other orders (eight nibble-plane dots, or one): seen 1.3e-5 apart on
+        # the H200 at hidden 1024, where the sums are about 1
+        torch.testing.assert_close(got, dense, rtol=1e-4, atol=5e-5)
     else:  # no less accurate than the reference MLP in the same dtype (to 2.5x: other rounding points)
         err_reference = (moe_reference(x, weights, ids, gu_dense, down_dense, first_expert, dtype) - exact).norm()
         assert err <= 2.5 * err_reference / exact.norm() + 1e-3, (err, err_reference / exact.norm())
