@@ -52,6 +52,11 @@ def test_defaults():
         ({"kernels": {"graphs": "yes"}}, "kernels.graphs must be true or false"),
         ({"kernels": {"batch_buckets": [1, 0]}}, "kernels.batch_buckets must be a non-empty list of positive"),
         ({"parallel": {"tensor_parallel": 0}}, "parallel.tensor_parallel must be >= 1"),
+        (
+            {"parallel": {"tensor_parallel": 8, "expert_parallel": 4}},
+            "parallel.expert_parallel must be 1 or parallel.tensor_parallel (8), got 4",
+        ),
+        ({"model": {"trust_remote_code": "yes"}}, "model.trust_remote_code must be true or false"),
         ({"model": {"dtype": "int8"}}, "unknown model.dtype 'int8'"),
         ({"model": {"id": None}}, "model.id is required"),
     ],

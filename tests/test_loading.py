@@ -1,7 +1,9 @@
 """Tests for ddtree.models.checkpoint and ddtree.models.gguf: GGUF conversion, safetensors loading and
 model reference resolution."""
 
+import json
 import math
+import pathlib
 import shutil
 import socket
 import subprocess
@@ -310,6 +312,33 @@ def test_load_state_dict_sharded_equals_single(tmp_path):
     half = loading.load_state_dict(tmp_path / "sharded", dtype=torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in half.values())
     assert loading.load_config(tmp_path / "sharded")["model_type"] == "qwen3"
+
+
+def test_a_tokenizer_shipped_as_code_needs_trust_remote_code(tmp_path):
+    """Kimi K2's tokenizer is Python code over tiktoken (tokenization_kimi.py, tiktoken.model): refused in
+    one line naming --trust-remote-code, run with it."""
+    import base64
+
+    from ddtree.config import ConfigError
+    from ddtree.runtime.build import load_target
+
+    _tiny_model("qwen3").save_pretrained(tmp_path)
+    shutil.copy(pathlib.Path(__file__).parent / "data" / "remote_tokenizer" / "tokenization_tiny.py", tmp_path)
+    ranks = [bytes([b]) for b in range(256)] + [b"he", b"ll", b"hell", b"hello"]
+    lines = [f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)]
+    (tmp_path / "tiktoken.model").write_text("".join(lines))
+    auto_map = {"AutoTokenizer": ["tokenization_tiny.TinyTikToken", None]}
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "TinyTikToken", "auto_map": auto_map})
+    )
+    with pytest.raises(
+        ConfigError, match="is Python code shipped with the checkpoint: run it with --trust-remote-code"
+    ):
+        load_target(str(tmp_path), "cpu", torch.float32)
+    _, tokenizer = load_target(str(tmp_path), "cpu", torch.float32, trust_remote_code=True)
+    assert type(tokenizer).__name__ == "TinyTikToken"
+    assert tokenizer.encode("hello world") == [259, 32, 119, 111, 114, 108, 100]  # "hello" is one merge
+    assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
 
 
 def test_load_state_dict_without_weights(tmp_path):

@@ -82,6 +82,10 @@ HUB_PATTERNS = [
     "chat_template*",
     "vocab.json",
     "merges.txt",
+    "tiktoken.model",  # tiktoken-based tokenizers (Kimi K2)
+    "*.tiktoken",
+    "*.py",  # a tokenizer's own code, run only with --trust-remote-code
+    "*.jinja",
 ]
 
 

@@ -71,18 +71,28 @@ def load_target(
         use_backend(target, backend)
         return target, ByteTokenizer(target.config.vocab_size)
     folder = resolve_model(ref, revision)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        if not trust_remote_code and "trust_remote_code" in str(exc):
-            raise ConfigError(
-                f"the tokenizer of {ref} is Python code shipped with the checkpoint: run it with "
-                "--trust-remote-code (model.trust_remote_code) if you trust its source"
-            ) from None
-        raise
+    if not trust_remote_code and tokenizer_is_code(folder):
+        # refused here: transformers would fall back to a generic tokenizer, which may split text otherwise
+        raise ConfigError(
+            f"the tokenizer of {ref} is Python code shipped with the checkpoint: run it with "
+            "--trust-remote-code (model.trust_remote_code) if you trust its source"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     target = load_pretrained(folder, dtype=dtype, device=device, shard=shard, label=label)
     use_backend(target, backend)  # the Engine keeps the backend a target has
     return target, tokenizer
+
+
+def tokenizer_is_code(folder) -> bool:
+    """Whether a checkpoint's tokenizer_config.json maps AutoTokenizer to code in the checkpoint (Kimi's)."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "tokenizer_config.json"
+    if not path.is_file():
+        return False
+    auto_map = json.loads(path.read_text(encoding="utf-8")).get("auto_map") or {}
+    return "AutoTokenizer" in auto_map
 
 
 def target_config(ref: str, revision: str | None = None):
