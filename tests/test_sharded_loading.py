@@ -2,8 +2,6 @@
 reads only its own slices of the checkpoint (models/checkpoint.SafetensorsFolder), so a rank's host
 memory holds its share, not the whole model; and the loaded shards compute what the unsplit model does."""
 
-import resource
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -99,7 +97,8 @@ def test_a_slice_reads_the_rows_or_columns_asked_for(tmp_path):
     stored = SafetensorsFolder(tmp_path)
     for name, t in tensors.items():
         read = stored.read(name)
-        assert read.dtype == t.dtype and torch.equal(read.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+        raw = read.reshape(-1).view(torch.uint8)
+        assert read.dtype == t.dtype and torch.equal(raw, t.reshape(-1).view(torch.uint8))
     assert torch.equal(stored.read("w", (0, 100, 100)), tensors["w"][100:200])
     assert torch.equal(stored.read("w", (1, 35, 35)), tensors["w"][:, 35:])
     assert torch.equal(stored.read("wide", (1, 1 << 18, 1 << 18)), tensors["wide"][:, 1 << 18 :])
