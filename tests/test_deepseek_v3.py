@@ -5,14 +5,13 @@ transformers', and the published configs parse with every field accounted for.""
 
 import json
 import pathlib
-import re
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from ddtree.models.deepseek_v3 import LatentCache, ModelConfig, Transformer, quantization_error
+from ddtree.models.deepseek_v3 import LatentCache, ModelConfig, Transformer
 from ddtree.models.layers import rope_attention_factor, rope_inv_freq
 from ddtree.models.registry import config_from_hf, family_for, load_pretrained
 from ddtree.runtime.engine import Engine, SamplingParams
@@ -207,12 +206,10 @@ def test_router_correction_bias_stays_fp32_and_unsupported_quantization_is_refus
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert config_from_hf(config).quantization["quant_method"] == "fp8"
-    assert quantization_error(tmp_path, config["quantization_config"]) is None
     load_pretrained(tmp_path, torch.float32, "cpu")
     config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     message = r"unsupported quantization: compressed-tensors nvfp4-pack-quantized \(supported: "
-    assert re.search(message, quantization_error(tmp_path, config["quantization_config"]))
     with pytest.raises(ValueError, match=message):
         load_pretrained(tmp_path, torch.float32, "cpu")
     # quantized tensors without a quantization_config are refused too, not cast
@@ -220,7 +217,6 @@ def test_router_correction_bias_stays_fp32_and_unsupported_quantization_is_refus
     (tmp_path / "config.json").write_text(json.dumps(config))
     state = load_file(tmp_path / "model.safetensors")
     state["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
-    assert "weight_scale_inv" in quantization_error(tmp_path, None, state)
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(
         ValueError, match="o_proj.weight_scale_inv' is quantized but the config has no quantization_config"

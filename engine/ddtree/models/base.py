@@ -120,14 +120,16 @@ class CausalLM(nn.Module):
         from .checkpoint import SafetensorsFolder, load_config
         from .quant import parse_quantization, quantize_modules
 
-        cfg = cls.config_class.from_hf(load_config(folder))
+        hf = load_config(folder)
+        cfg = cls.config_class.from_hf(hf)
         stored = SafetensorsFolder(folder)
         names = cls.checkpoint_names(stored.tensors, cfg)
         if cfg.tie_word_embeddings:
             names.pop("lm_head.weight", None)
         with torch.device("meta"):
             model = cls(cfg)
-        quantize_modules(model, parse_quantization(getattr(cfg, "quantization", None)), names)
+        quantization = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+        quantize_modules(model, parse_quantization(quantization), names)
         expected = set(model.state_dict())
         if cfg.tie_word_embeddings:
             expected.discard("lm_head.weight")

@@ -222,19 +222,8 @@ def load_state_dict(folder, dtype=None, device="cpu") -> dict[str, torch.Tensor]
     *.safetensors."""
     from safetensors import safe_open
 
-    folder = pathlib.Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            files = sorted({folder / name for name in json.load(f)["weight_map"].values()})
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {folder}")
     state = {}
-    for file in files:
+    for file in weight_files(folder):
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
                 t = f.get_tensor(name)

@@ -25,8 +25,8 @@ mscale(factor, mscale_all_dim)^2 when the config sets mscale_all_dim (as transfo
 
 The config is read strictly: every field is used, checked against the one value implemented, or on the
 list of fields known not to change the math (IGNORED, each with its reason); any other field is refused
-with its name. A `quantization_config` is accepted in the config, but loading such a checkpoint is refused
-with a clear message (FP8 / INT4 weights: the next step).
+with its name. A `quantization_config` (FP8 blocks, compressed-tensors INT4) is read by
+quant_config.parse_quantization when the checkpoint loads (base.CausalLM.from_pretrained).
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ from .layers import (
 )
 from .moe import GroupLimitedSigmoid, SparseMoE, shard_experts
 from .quant import linear_weight
-from .quant_config import QUANTIZED_TENSOR, parse_quantization
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25")
 
@@ -100,7 +99,7 @@ OPTIONAL = (
     "eos_token_id",
     "bos_token_id",
     "num_nextn_predict_layers",  # multi-token-prediction layers: not run; their weights are skipped on load
-    "quantization_config",  # accepted here; from_pretrained refuses quantized weights
+    "quantization_config",  # read by from_pretrained (models/quant_config.py)
 )
 # math-changing fields implemented for these values only (the first is the default when absent)
 ONLY = {
@@ -547,25 +546,7 @@ _RENAMES = (
     ("model.language_model.", "model."),
 )
 _VISION = re.compile(r"^(model\.)?(vision_tower|mm_projector|multi_modal_projector)\.")
-_QUANTIZED = QUANTIZED_TENSOR  # names only quantized checkpoints hold
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def quantization_error(folder, quantization: dict | None, state: dict[str, Tensor] | None = None) -> str | None:
-    """Why a checkpoint cannot load, or None: a quantization_config of a scheme not supported
-    (quant_config.parse_quantization's message), or quantized tensors without a quantization_config."""
-    if quantization:
-        try:
-            parse_quantization(quantization)
-        except ValueError as e:
-            return f"checkpoint {folder}: {e}"
-        return None
-    if state is not None:
-        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-        odd = [k for k, t in state.items() if _QUANTIZED.search(k) or t.dtype in fp8]
-        if odd:
-            return f"checkpoint {folder} holds quantized tensors ({odd[0]}, ...) without a quantization_config"
-    return None
 
 
 def checkpoint_name(name: str, cfg: ModelConfig) -> str | None:
