@@ -217,11 +217,6 @@ def _exact(t: Tensor) -> bool:
     return not t.is_floating_point() or t.dtype.itemsize == 1
 
 
-def _named(model: nn.Module) -> set[str]:
-    """The checkpoint names of the model's meta tensors (each tensor once)."""
-    return {t.checkpoint_name for t in model.state_dict(keep_vars=True).values() if hasattr(t, "checkpoint_name")}
-
-
 class LoadProgress:
     """One stderr line every few seconds while weights load (and a summary), when loading is slow enough
     to wonder about."""
