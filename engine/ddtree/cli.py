@@ -256,6 +256,26 @@ def add_serve_commands(subparsers) -> None:
     )
     add_parallel_flags(p)
     p.add_argument("--kernels", choices=KERNEL_CHOICES, default=UNSET, help=KERNELS_HELP)
+    p.add_argument(
+        "--api-key-file",
+        default=UNSET,
+        help="file of API keys, one per line: /v1/* then needs `Authorization: Bearer KEY` "
+        "(keys may also come comma-separated in $DDTREE_API_KEY)",
+    )
+    p.add_argument(
+        "--parse-special-tokens",
+        action="store_true",
+        default=UNSET,
+        help="tokenize control-token text in prompts as control tokens (default: as plain text; trusted clients only)",
+    )
+    p.add_argument("--max-connections", type=int, default=UNSET, help="open client connections (default 1024)")
+    p.add_argument(
+        "--header-timeout", type=float, default=UNSET, help="seconds to receive a request's headers (default 30)"
+    )
+    p.add_argument("--body-timeout", type=float, default=UNSET, help="seconds to receive a request's body (default 60)")
+    p.add_argument(
+        "--keepalive-timeout", type=float, default=UNSET, help="seconds an idle connection stays open (default 75)"
+    )
     p.add_argument("--smoke-fault", choices=list(SMOKE_FAULTS), help=argparse.SUPPRESS)  # tests only
     p.set_defaults(handler="ddtree.serving.commands:cmd_serve")
     b = subparsers.add_parser("bench-serve", help="load generator for a running `ddtree serve`")
@@ -273,6 +293,15 @@ def add_serve_commands(subparsers) -> None:
     b.add_argument("--prompts-file", help="one prompt per line (or one JSON string per line)")
     b.add_argument("--json", action="store_true", help="one JSON object per concurrency level")
     b.set_defaults(handler="ddtree.serving.commands:cmd_bench_serve")
+    k = subparsers.add_parser("soak", help="bounded soak of a running `ddtree serve`: leaks, hangs, counters")
+    k.add_argument("--url", default="http://127.0.0.1:8000")
+    k.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    k.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
+    k.add_argument("--max-tokens", type=int, default=48, help="each request asks for 1..this many tokens")
+    k.add_argument("--hang-up", type=float, default=0.2, help="fraction of requests whose client leaves mid-way")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    k.set_defaults(handler="ddtree.serving.commands:cmd_soak")
 
 
 def add_training_commands(subparsers) -> None:

@@ -9,7 +9,9 @@ file value). The file uses the field names of the dataclasses, one section per d
     speculation: {method, budget, block_size}
     kernels:     {backend, graphs, batch_buckets}
     parallel:    {tensor_parallel, expert_parallel, replicate_drafter}
-    serving:     {host, port, max_batch_size, max_seq_len, max_waiting, served_model_name, termination_log}
+    serving:     {host, port, max_batch_size, max_seq_len, max_waiting, served_model_name, termination_log,
+                  api_key_file, parse_special_tokens, max_connections, header_timeout, body_timeout,
+                  keepalive_timeout}
 
 Defaults and validation live here; a bad value raises `ConfigError`, one line naming the field (the flag
 when it came from the command line, `section.field` otherwise). docs/engine.md, "Configuration", lists
@@ -95,6 +97,14 @@ class ServingConfig:
     max_waiting: int | None = None  # queued requests beyond the rows before 429 (default 4 x rows)
     served_model_name: str | None = None  # model name in the API (default: model.id)
     termination_log: str | None = None  # failure reason file (default /dev/termination-log when present)
+    api_key_file: str | None = None  # API keys, one per line: /v1/* then needs `Authorization: Bearer KEY`
+    # control-token text in prompts and messages (`<|im_start|>`) is tokenized as plain text unless set:
+    # only for deployments whose every client is trusted to write the model's control tokens
+    parse_special_tokens: bool = False
+    max_connections: int = 1024  # open client connections; beyond it a connection gets 503 and is closed
+    header_timeout: float = 30.0  # seconds from a request's first byte to the end of its headers
+    body_timeout: float = 60.0  # seconds to receive a request's body once its headers are in
+    keepalive_timeout: float = 75.0  # seconds an idle kept-alive connection stays open
 
     @property
     def seq_len(self) -> int:
@@ -138,6 +148,12 @@ FLAGS = {
     "max_waiting": "serving.max_waiting",
     "served_model_name": "serving.served_model_name",
     "termination_log": "serving.termination_log",
+    "api_key_file": "serving.api_key_file",
+    "parse_special_tokens": "serving.parse_special_tokens",
+    "max_connections": "serving.max_connections",
+    "header_timeout": "serving.header_timeout",
+    "body_timeout": "serving.body_timeout",
+    "keepalive_timeout": "serving.keepalive_timeout",
 }
 INVERTED = {"no_graphs"}  # store_true flags that switch a field off
 
@@ -180,6 +196,10 @@ def _coerce(path: str, value, annotation: str, name: str):
         raise ConfigError(f"{name} must be true or false, got {value!r}")
     if kind == "int" and not _int(value):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if kind == "float":
+        return float(value)
     if kind == "str" and not isinstance(value, str):
         raise ConfigError(f"{name} must be a string, got {value!r}")
     return value
@@ -362,6 +382,11 @@ class EngineConfig:
             raise ConfigError(f"{n('serving.max_waiting')} must be >= 0, got {v.max_waiting}")
         if v.served_model_name is not None and not v.served_model_name.strip():
             raise ConfigError(f"{n('serving.served_model_name')} must not be empty")
+        if v.max_connections < 1:
+            raise ConfigError(f"{n('serving.max_connections')} must be >= 1, got {v.max_connections}")
+        for timeout in ("header_timeout", "body_timeout", "keepalive_timeout"):
+            if not 0 < getattr(v, timeout) < float("inf"):
+                raise ConfigError(f"{n('serving.' + timeout)} must be a positive number of seconds")
 
     # ---- resolution (what the commands run with) ---------------------------------------------
 

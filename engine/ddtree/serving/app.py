@@ -11,12 +11,19 @@ engine calls (ddtree.runtime.parallel.Leader / follow). On shutdown rank 0 sends
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
 events), GET /v1/models, GET /health, GET /ready, GET /metrics. Errors use OpenAI's body
-{"error": {"message", "type", "param", "code"}}.
+{"error": {"message", "type", "param", "code"}}; every response carries an X-Request-Id header, which the
+log lines about that request name.
+
+Requests never make the event loop wait on CPU work: bodies are decoded and prompts tokenized on one
+preparation thread with a bounded queue (ddtree.serving.prompts), generation runs on the scheduler's
+thread. API keys (ddtree.serving.auth) guard /v1/*; connection limits and deadlines are in
+ddtree.serving.connections.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import functools
 import json
@@ -33,13 +40,17 @@ from ..config import EngineConfig
 if TYPE_CHECKING:
     from ..runtime.parallel import Leader
     from ..runtime.smoke import SmokeReport
+    from .connections import ConnectionGuard
+    from .prompts import PromptEncoder
     from .scheduler import Scheduler
-from .protocol import COMPLETION_PATHS, APIError, Sampling, bad_request, chat_messages
+from .auth import OPEN_PREFIXES, authorized
+from .protocol import COMPLETION_PATHS, APIError, Sampling, bad_request
 
 log = logging.getLogger("ddtree.server")
 
 SMOKE_FAULTS = ("corrupt-graph-input",)
 SMOKE_TEXTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time", "import numpy as np\n"]
+MAX_BODY_BYTES = 64 * 1024 * 1024  # before the tokenizer is loaded; then a bound from the context (body_limit)
 
 # ---- the server -----------------------------------------------------------------------------
 
@@ -76,9 +87,16 @@ def serve_follower(rank: int, world: int, config: EngineConfig) -> int:
 
 
 class EngineServer:
-    def __init__(self, config: EngineConfig, world: int = 1, smoke_fault: str | None = None):
-        """`config`: resolved (EngineConfig.resolve()); `world`: tensor parallel ranks (this one is 0)."""
-        self.config, self.world, self.smoke_fault = config, world, smoke_fault
+    def __init__(
+        self,
+        config: EngineConfig,
+        world: int = 1,
+        smoke_fault: str | None = None,
+        api_keys: tuple[bytes, ...] = (),
+    ):
+        """`config`: resolved (EngineConfig.resolve()); `world`: tensor parallel ranks (this one is 0);
+        `api_keys`: what /v1/* requires (ddtree.serving.auth.load_api_keys; none: open)."""
+        self.config, self.world, self.smoke_fault, self.api_keys = config, world, smoke_fault, api_keys
         self.graph_buckets, self.smoke_sizes = config.serve_batch_sizes()
         self.name = config.served_model_name
         from .metrics import ServerMetrics
@@ -88,8 +106,13 @@ class EngineServer:
         self.reason = ""
         self.report: SmokeReport | None = None
         self.engine: Any = None  # the Engine, or its parallel.Leader under tensor parallelism
-        self.tokenizer: Any = None
+        self.prompts: PromptEncoder | None = None  # used on the preparation thread only
         self.scheduler: Scheduler | None = None
+        # body decoding and tokenizing: one thread, at most `preparing_limit` requests queued or running
+        self.preparation = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-prepare")
+        self.preparing = 0
+        self.preparing_limit = config.serving.max_batch_size + config.serving.waiting_limit
+        self.guard: ConnectionGuard | None = None
         self.stop_token_ids: tuple[int, ...] = ()
         self.exit_code = 0
         self.created = int(time.time())
@@ -169,7 +192,10 @@ class EngineServer:
 
         for row in range(engine.max_batch_size):
             engine.release(row)
-        self.engine, self.tokenizer, self.report = engine, tokenizer, report
+        from .prompts import PromptEncoder
+
+        self.engine, self.report = engine, report
+        self.prompts = PromptEncoder(tokenizer, config.serving.seq_len, config.serving.parse_special_tokens)
         self.stop_token_ids = stop_ids(tokenizer, target)
         # decoding happens on the engine thread: give it its own tokenizer instance
         self.scheduler = Scheduler(engine, copy.deepcopy(tokenizer), self.metrics, config.serving.waiting_limit)
@@ -240,7 +266,7 @@ class EngineServer:
     def app(self):
         from aiohttp import web
 
-        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_endpoint)
@@ -256,10 +282,22 @@ class EngineServer:
         @web.middleware
         async def middleware(request, handler):
             counted = request.path in COMPLETION_PATHS
+            request["ddtree_request_id"] = request_id = uuid.uuid4().hex
+            if self.guard is not None:
+                self.guard.request_started(request.transport)
             try:
+                if self.api_keys and not request.path.startswith(OPEN_PREFIXES):
+                    if not authorized(self.api_keys, request.headers.get("Authorization")):
+                        raise APIError(
+                            401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key"
+                        )
                 resp = await handler(request)
             except APIError as exc:
                 resp = exc.response()
+                if exc.status == 401:
+                    resp.headers["WWW-Authenticate"] = "Bearer"
+                elif exc.status in (429, 503):
+                    resp.headers["Retry-After"] = "1"
             except web.HTTPException as exc:
                 if exc.status < 400:
                     raise
@@ -268,11 +306,19 @@ class EngineServer:
                 if counted:
                     self.metrics.request_finished(499)
                 raise
-            except Exception as exc:  # answer 500 and keep serving
-                log.exception("internal error on %s", request.path)
-                resp = APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+            except ConnectionError:  # the client went away while its body was being read
+                request["ddtree_status"] = 499
+                resp = web.Response(status=499)
+            except Exception:  # a bug: logged under the request id; the client gets no exception text
+                log.exception("internal error on %s (request %s)", request.path, request_id)
+                resp = APIError(500, f"internal error (request id {request_id})").response()
+            finally:
+                if self.guard is not None:
+                    self.guard.request_finished(request.transport)
             if counted:
                 self.metrics.request_finished(request.get("ddtree_status", resp.status))
+            if not resp.prepared:  # a stream sent its headers (with the id) already
+                resp.headers["X-Request-Id"] = request_id
             return resp
 
         return middleware
@@ -334,14 +380,53 @@ class EngineServer:
     async def chat_completions(self, request):
         return await self._generate(request, chat=True)
 
-    async def _body(self, request) -> dict:
+    def body_limit(self) -> int:
+        """Largest body taken: room for the longest prompt the context can hold, JSON-escaped, or 1 MiB."""
+        if self.prompts is None:
+            return MAX_BODY_BYTES
+        return min(MAX_BODY_BYTES, max(1 << 20, 8 * self.prompts.max_chars))
+
+    async def read_body(self, request) -> bytes:
+        """The body, within body_limit() bytes (413 otherwise, before reading it when Content-Length says
+        so) and serving.body_timeout seconds (408)."""
+        limit = self.body_limit()
+        if request.content_length is not None and request.content_length > limit:
+            raise APIError(413, f"the request body has {request.content_length} bytes; the limit is {limit}")
+        chunks, size = [], 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+
         try:
-            raw = await request.read()
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"malformed JSON body: {exc}") from None
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
+            await asyncio.wait_for(read(), self.config.serving.body_timeout)
+        except asyncio.TimeoutError:
+            timeout = self.config.serving.body_timeout
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
+        return b"".join(chunks)
+
+    async def prepare(self, work, *args):
+        """Run `work(*args)` on the preparation thread (429 when its queue is full)."""
+        if self.preparing >= self.preparing_limit:
+            raise APIError(429, "too many requests are being prepared; retry later", code="queue_full")
+        self.preparing += 1
+        loop = asyncio.get_running_loop()
+        future = self.preparation.submit(work, *args)
+        # counted until the work really ends, even when the client leaves and this await is cancelled
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._prepared))
+        return await asyncio.wrap_future(future)
+
+    def _prepared(self) -> None:
+        self.preparing -= 1
+
+    async def _body(self, request) -> dict:
+        from .prompts import decode_body
+
+        body = await self.prepare(decode_body, await self.read_body(request))
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad_request("'model' must be a string", "model")
@@ -354,32 +439,6 @@ class EngineServer:
             )
         return body
 
-    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
-        tok = self.tokenizer
-        if chat:
-            msgs = chat_messages(body)
-            if not getattr(tok, "chat_template", None):
-                raise bad_request("this model's tokenizer has no chat template; use /v1/completions")
-            try:
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-                raise bad_request(f"chat template failed: {exc}", "messages") from None
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("'prompt' is empty", "prompt")
-            return tok.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
-        raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
-
     async def _generate(self, request, chat: bool):
         from ..runtime.engine import SamplingParams
         from .scheduler import NotRunning, QueueFull, Request
@@ -388,7 +447,7 @@ class EngineServer:
         if self.phase != "ready":
             raise APIError(503, f"the server is not ready ({self.phase}); poll /ready", code="not_ready")
         s = Sampling(body, chat, self.engine.budget)
-        prompt = self._prompt_ids(body, chat)
+        prompt = await self.prepare(self.prompts.chat if chat else self.prompts.completion, body)
         limit = self.config.serving.seq_len
         if len(prompt) >= limit:
             raise bad_request(
@@ -494,7 +553,8 @@ class EngineServer:
                 out["usage"] = None
             return out
 
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        resp = web.StreamResponse(headers={**headers, "X-Request-Id": request["ddtree_request_id"]})
         try:
             await resp.prepare(request)
 
@@ -535,19 +595,30 @@ class EngineServer:
 async def serve_until_stopped(server: EngineServer) -> int:
     from aiohttp import web
 
-    host, port = server.config.serving.host, server.config.serving.port
+    from .connections import ConnectionGuard
+
+    settings = server.config.serving
+    host, port = settings.host, settings.port
     server.loop = asyncio.get_running_loop()
     server.stopped = asyncio.Event()
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        server.app(),
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=settings.keepalive_timeout,
+        shutdown_timeout=5.0,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, shutdown_timeout=5.0)
+    server.guard = ConnectionGuard(
+        runner.server, settings.max_connections, settings.header_timeout, settings.keepalive_timeout
+    )
     try:
-        await site.start()
+        listener = await server.loop.create_server(server.guard, host, port, backlog=1024)
     except OSError as exc:
         await runner.cleanup()
         server._fail(f"cannot listen on {host}:{port}: {exc}")
         return 1
-    host, port = runner.addresses[0][:2]
+    host, port = listener.sockets[0].getsockname()[:2]
     log.info("listening on http://%s:%s (model %s)", host if ":" not in host else f"[{host}]", port, server.name)
     for sig in (signal.SIGINT, signal.SIGTERM):
         server.loop.add_signal_handler(sig, server.stopped.set)
@@ -555,7 +626,9 @@ async def serve_until_stopped(server: EngineServer) -> int:
     await server.stopped.wait()
     log.info("shutting down")
     server.closing = True
+    listener.close()
     if server.scheduler is not None:
         await asyncio.to_thread(server.scheduler.stop)
     await runner.cleanup()
+    server.preparation.shutdown(wait=False, cancel_futures=True)
     return server.exit_code

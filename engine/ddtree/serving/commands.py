@@ -60,6 +60,8 @@ def _tensor_parallel(config: EngineConfig) -> tuple[int, int, bool]:
 
 
 def cmd_serve(args) -> int:
+    from .auth import load_api_keys
+
     config = serve_config(args)
     rank, world, spawn_followers = _tensor_parallel(config)
     if not logging.getLogger().handlers:
@@ -68,7 +70,7 @@ def cmd_serve(args) -> int:
         )
     if rank > 0:  # a torchrun process other than rank 0
         return serve_follower(rank, world, config)
-    server = EngineServer(config, world, smoke_fault=args.smoke_fault)
+    server = EngineServer(config, world, smoke_fault=args.smoke_fault, api_keys=load_api_keys(config))
     if spawn_followers:
         from ..runtime.parallel import start_followers
 
@@ -83,6 +85,13 @@ def cmd_serve(args) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _client_key() -> str | None:
+    """The key load generators send: the first of $DDTREE_API_KEY, the variable the server reads too."""
+    from .auth import KEYS_ENV
+
+    return next((k.strip() for k in os.environ.get(KEYS_ENV, "").split(",") if k.strip()), None)
 
 
 def cmd_bench_serve(args) -> int:
@@ -105,8 +114,24 @@ def cmd_bench_serve(args) -> int:
             chat=not args.completions,
             temperature=args.temperature,
             ignore_eos=not args.no_ignore_eos,
+            api_key=_client_key(),
         )
     )
     for r in results:
         print(json.dumps(r) if args.json else bench_line(r))
     return 0 if all(r["errors"] == 0 for r in results) else 1
+
+
+def cmd_soak(args) -> int:
+    """Exit 0 when every check of the soak held (the API key, if the server wants one: $DDTREE_API_KEY)."""
+    from .soak import soak, soak_lines
+
+    if args.duration <= 0 or args.clients < 1 or args.max_tokens < 1 or not 0 <= args.hang_up <= 1:
+        raise UsageError("--duration, --clients and --max-tokens must be positive and --hang-up in [0, 1]")
+    report = asyncio.run(
+        soak(
+            args.url, args.duration, args.clients, args.max_tokens, args.hang_up, seed=args.seed, api_key=_client_key()
+        )
+    )
+    print(json.dumps(report) if args.json else soak_lines(report))
+    return 0 if report["ok"] else 1

@@ -85,6 +85,7 @@ async def bench_serve(
     temperature: float = 0.0,
     ignore_eos: bool = True,
     timeout: float = 3600.0,
+    api_key: str | None = None,
 ) -> list[dict]:
     """Drive a running server with `c` closed-loop clients per level (each sends requests_per_client
     streaming requests back to back). Per level: throughput, latency percentiles, and, from /metrics
@@ -98,7 +99,9 @@ async def bench_serve(
     url = url.rstrip("/")
     results = []
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeouts = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeouts, headers=headers) as session:
         deadline = time.monotonic() + timeout
         while True:  # wait for the smoke test to pass
             try:

@@ -10,6 +10,9 @@ Speculative decoding counters, per sequence and round:
   ddtree_spec_decode_num_accepted_tokens_total accepted drafts (tokens emitted in the round - the bonus)
 so the mean acceptance length over a window is 1 + d(accepted) / d(drafts).
 
+The process's own series (process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, ...)
+are exported too, without the model label: `ddtree soak` and leak alerts read them.
+
 Besides the contract, three histograms split a scheduler round into engine time and serving
 overhead (used by `bench-serve`): ddtree_engine_step_seconds, ddtree_prefill_seconds and
 ddtree_scheduler_iteration_seconds.
@@ -23,6 +26,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.parser import text_string_to_metric_families
@@ -57,6 +61,7 @@ class ServerMetrics:
     def __init__(self, model: str):
         self.model = model
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
         m = ["model"]
 
         def counter(name, doc, labels=m):

@@ -5,10 +5,16 @@ from __future__ import annotations
 import math
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# OpenAI's message roles; any other role string would be rendered by the chat template as a turn of its own
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_STOP_CHARS = 1024
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -58,9 +64,13 @@ def get_float(body: dict, key: str, default: float) -> float:
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    try:
+        value = float(v) if not isinstance(v, bool) and isinstance(v, (int, float)) else math.nan
+    except OverflowError:  # an integer beyond float's range
+        value = math.nan
+    if not math.isfinite(value):
         raise bad_request(f"'{key}' must be a finite number", key)
-    return float(v)
+    return value
 
 
 def get_bool(body: dict, key: str, default: bool = False) -> bool:
@@ -114,6 +124,8 @@ class Sampling:
         if not 0 < self.top_p <= 1:
             raise bad_request(f"'top_p' must be in (0, 1], got {self.top_p}", "top_p")
         self.seed = get_int(body, "seed")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise bad_request(f"'seed' must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]", "seed")
         n = get_int(body, "n", 1)
         if n != 1:
             raise bad_request(f"only n=1 is supported, got n={n}", "n")
@@ -122,8 +134,15 @@ class Sampling:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-            raise bad_request("'stop' must be a non-empty string or a list of up to 16 non-empty strings", "stop")
+        if (
+            not isinstance(stop, list)
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
+            or len(stop) > 16
+        ):
+            raise bad_request(
+                f"'stop' must be a string or a list of up to 16 strings, each of 1 to {MAX_STOP_CHARS} characters",
+                "stop",
+            )
         self.stop = stop
         self.stream = get_bool(body, "stream")
         opts = body.get("stream_options")
@@ -147,6 +166,8 @@ def chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
+        if m["role"] not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", "messages")
         content = m.get("content")
         if content is None:
             content = ""
