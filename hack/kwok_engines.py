@@ -14,6 +14,7 @@ Only loopback pod IPs are ever contacted.
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import datetime
 import ipaddress
@@ -76,6 +77,7 @@ class EnginePod:
     log: pathlib.Path
     ready: bool = False
     finished: bool = False
+    api_key: str | None = None  # the first key of a mounted API key file, for the traffic
 
 
 class EngineRunner:
@@ -154,7 +156,8 @@ class EngineRunner:
             raise RuntimeError(f"pod {pod.metadata.name} does not run `ddtree serve`: {command}")
         termination_log = self.workdir / f"{pod.metadata.name}.termination-log"
         log = self.workdir / f"{pod.metadata.name}.log"
-        args, config = self._local_config(pod, command[1:])
+        secrets = self._local_secrets(pod)
+        args, config = self._local_config(pod, command[1:], secrets)
         # flags override the configuration file: the pod's IP and a termination log on this machine
         args = _replace_flag(args, "--host", ip)
         args = _replace_flag(args, "--termination-log", str(termination_log))
@@ -179,11 +182,33 @@ class EngineRunner:
                 stdin=subprocess.DEVNULL,
                 env=env,
             )
-        self.pods[pod.metadata.name] = EnginePod(pod.metadata.name, ip, port, model, process, termination_log, log)
+        key_file = serving.get("api_key_file")
+        api_key = pathlib.Path(key_file).read_text().split()[0] if key_file else None
+        self.pods[pod.metadata.name] = EnginePod(
+            pod.metadata.name, ip, port, model, process, termination_log, log, api_key=api_key
+        )
 
-    def _local_config(self, pod, args: list[str]) -> tuple[list[str], dict]:
-        """The pod's `--config` file, read from the ConfigMap mounted there, written to this machine, and
-        the arguments pointing at that copy; (args, {}) when the pod has no `--config`."""
+    def _local_secrets(self, pod) -> dict[str, str]:
+        """The pod's Secret volumes written to this machine, as kubelet would mount them:
+        {mount path in the pod: local folder}."""
+        mounts = {m.name: m.mount_path for m in pod.spec.containers[0].volume_mounts or []}
+        local = {}
+        for volume in pod.spec.volumes or []:
+            if volume.secret is None or volume.name not in mounts:
+                continue
+            data = self.core.read_namespaced_secret(volume.secret.secret_name, self.namespace).data or {}
+            folder = self.workdir / f"{pod.metadata.name}.{volume.name}"
+            folder.mkdir(exist_ok=True)
+            items = volume.secret.items or [kubernetes.client.V1KeyToPath(key=k, path=k) for k in data]
+            for item in items:
+                (folder / item.path).write_bytes(base64.b64decode(data[item.key]))
+            local[mounts[volume.name]] = str(folder)
+        return local
+
+    def _local_config(self, pod, args: list[str], secrets: dict[str, str]) -> tuple[list[str], dict]:
+        """The pod's `--config` file, read from the ConfigMap mounted there, with paths into Secret volumes
+        pointed at their local copies (`secrets`), written to this machine, and the arguments pointing at
+        that copy; (args, {}) when the pod has no `--config`."""
         if "--config" not in args:
             return args, {}
         path = pathlib.PurePosixPath(args[args.index("--config") + 1])
@@ -198,10 +223,15 @@ class EngineRunner:
         )
         if source is None:
             raise RuntimeError(f"pod {pod.metadata.name}: no ConfigMap mounted at {path.parent} for --config {path}")
-        text = self.core.read_namespaced_config_map(source, self.namespace).data[path.name]
+        config = yaml.safe_load(self.core.read_namespaced_config_map(source, self.namespace).data[path.name])
+        for section in config.values():
+            for key, value in (section or {}).items():
+                for mounted, folder in secrets.items():
+                    if isinstance(value, str) and value.startswith(mounted + "/"):
+                        section[key] = folder + value[len(mounted) :]
         local = self.workdir / f"{pod.metadata.name}.{path.name}"
-        local.write_text(text)
-        return _replace_flag(args, "--config", str(local)), yaml.safe_load(text)
+        local.write_text(yaml.safe_dump(config))
+        return _replace_flag(args, "--config", str(local)), config
 
     def _check(self, engine: EnginePod) -> None:
         if engine.finished:
@@ -288,10 +318,11 @@ class EngineRunner:
             engine = ready[turn % len(ready)]
             prompt = PROMPTS[turn % len(PROMPTS)]
             body = json.dumps({"model": engine.model, "prompt": prompt, "max_tokens": 32, "temperature": 0}).encode()
+            headers = {"Content-Type": "application/json"}
+            if engine.api_key:
+                headers["Authorization"] = f"Bearer {engine.api_key}"
             request = urllib.request.Request(
-                f"http://{engine.ip}:{engine.port}/v1/completions",
-                data=body,
-                headers={"Content-Type": "application/json"},
+                f"http://{engine.ip}:{engine.port}/v1/completions", data=body, headers=headers
             )
             turn += 1
             try:

@@ -403,6 +403,17 @@ class MetricsSpec(_Model):
     )
 
 
+class ServingSpec(_Model):
+    """Who may use the engine's OpenAI API."""
+
+    api_key_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the API keys, one per line: requests to /v1/* then need "
+        "`Authorization: Bearer KEY` (401 otherwise). /health, /ready and /metrics stay open for probes "
+        "and scrapes. Default: no key needed.",
+    )
+
+
 # A replica with this many GPUs fills a node: there is no second node-sized hole for a surge pod.
 NODE_GPUS = 8
 
@@ -449,6 +460,7 @@ class SpeculativeDeploymentSpec(_Model):
     model_cache: ModelCacheSpec | None = None
     readiness: ReadinessSpec = nested(ReadinessSpec)
     metrics: MetricsSpec = nested(MetricsSpec)
+    serving: ServingSpec = nested(ServingSpec)
 
     rules: ClassVar = (
         Rule(

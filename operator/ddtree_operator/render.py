@@ -34,6 +34,8 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # The CRD's speculation.method `none` is the engine's method `ar` (plain autoregressive decoding).
 ENGINE_METHOD = {"ddtree": "ddtree", "dflash": "dflash", "none": "ar"}
 CONFIG_MOUNT = "/etc/ddtree"  # the engine configuration ConfigMap, mounted read-only
+API_KEYS_MOUNT = "/etc/ddtree-api-keys"  # spec.serving.apiKeySecret's key, as the file API_KEYS_FILE
+API_KEYS_FILE = "api-keys"
 CONFIG_FILE = "engine.yaml"
 CONFIG_VOLUME = "engine-config"
 CONFIG_HASH_ANNOTATION = f"{api.GROUP}/engine-config-sha256"
@@ -150,6 +152,8 @@ def engine_config(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
         serving["max_seq_len"] = spec.engine.max_seq_len
     if spec.model.served_name:
         serving["served_model_name"] = spec.model.served_name
+    if spec.serving.api_key_secret is not None:
+        serving["api_key_file"] = f"{API_KEYS_MOUNT}/{API_KEYS_FILE}"
     config["serving"] = serving
     return config
 
@@ -207,6 +211,11 @@ def _volumes(owner: Owner, spec: SpeculativeDeploymentSpec) -> tuple[list[dict[s
     else:
         volumes.append({"name": "cache", "emptyDir": {}})
         mounts.append({"name": "cache", "mountPath": CACHE_DIR})
+    secret = spec.serving.api_key_secret
+    if secret is not None:
+        items = [{"key": secret.key, "path": API_KEYS_FILE}]
+        volumes.append({"name": "api-keys", "secret": {"secretName": secret.name, "items": items}})
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True})
     uris = [spec.model.uri] + ([spec.drafter.uri] if spec.drafter is not None else [])
     claims = list(dict.fromkeys(c for c in (resolve_uri(u).claim for u in uris) if c))
     for index, claim in enumerate(claims):

@@ -1,10 +1,14 @@
 """End to end with the real engine: the operator's pods are run as `python -m ddtree serve ...` processes
-on their kwok pod IPs (hack/kwok_engines.py plays kubelet), and the resource reaches Ready with
-acceptance length and tokens/s in `kubectl get specdeploy`.
+on their kwok pod IPs (hack/kwok_engines.py plays kubelet, Secret volumes included), and the resource
+reaches Ready with acceptance length and tokens/s in `kubectl get specdeploy`.
 
 Skipped, with the reason, only when this environment has no `ddtree serve`.
 """
 
+import urllib.error
+import urllib.request
+
+import kubernetes
 import pytest
 
 from kube_testbed import load_hack_module, wait_for
@@ -25,7 +29,15 @@ def ddtree_serve():
 
 
 def test_smollm2_cpu_reaches_ready_with_acceptance_and_throughput(cluster, namespace, ddtree_serve, tmp_path):
-    cluster.apply_example(namespace, "smollm2-cpu.yaml")
+    """With API keys from a Secret (spec.serving.apiKeySecret): the smoke test, readiness and the operator's
+    scrapes need no key, the traffic carries one, and /v1 without it is refused."""
+    cluster.core.create_namespaced_secret(
+        namespace,
+        kubernetes.client.V1Secret(metadata={"name": "engine-api-keys"}, string_data={"keys": "e2e-key-1\n"}),
+    )
+    cluster.apply_example(
+        namespace, "smollm2-cpu.yaml", serving={"apiKeySecret": {"name": "engine-api-keys", "key": "keys"}}
+    )
     runner = kwok_engines.EngineRunner(cluster.api, namespace, "smollm2-cpu", tmp_path)
     with runner.start(load=True, load_seconds=READY_TIMEOUT_SECONDS):
 
@@ -40,8 +52,16 @@ def test_smollm2_cpu_reaches_ready_with_acceptance_and_throughput(cluster, names
             row = wait_for(filled_in, READY_TIMEOUT_SECONDS, "Ready with AccLen and Tok/s", interval=2)
         except pytest.fail.Exception as exc:
             pytest.fail(f"{exc}\nengine logs:\n{runner.logs()}")
+        (engine,) = runner.pods.values()
+        assert engine.api_key == "e2e-key-1"
+        try:
+            urllib.request.urlopen(f"http://{engine.ip}:{engine.port}/v1/models", timeout=30)
+            pytest.fail("/v1/models answered without an API key")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 401
     assert float(row["ACCLEN"]) >= 1.0 and float(row["TOK/S"]) > 0
     assert runner.requests_sent > 0
+    assert not [e for e in runner.request_errors if "401" in e], runner.request_errors
     status = cluster.status(namespace, "smollm2-cpu")
     assert status["smokeTest"]["result"] == "Passed"
     assert cluster.condition(namespace, "smollm2-cpu", "SmokeTestPassed")["status"] == "True"

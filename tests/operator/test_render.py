@@ -337,6 +337,30 @@ def test_trust_remote_code_expert_parallel_and_max_seq_len_reach_the_engine():
     assert "max_seq_len" not in plain["serving"]
 
 
+def test_api_key_secret_is_mounted_where_the_engine_reads_its_keys(tmp_path):
+    from ddtree.serving.auth import load_api_keys
+
+    s = spec(serving={"apiKeySecret": {"name": "llm-keys", "key": "keys.txt"}})
+    config = EngineConfig.from_dict(mounted_config(s))
+    pod = render_deployment(OWNER, s, DEFAULTS)["spec"]["template"]["spec"]
+    mount = next(m for m in container(render_deployment(OWNER, s, DEFAULTS))["volumeMounts"] if m["name"] == "api-keys")
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert mount["readOnly"] is True
+    (item,) = volume["secret"]["items"]
+    assert volume["secret"]["secretName"] == "llm-keys" and item["key"] == "keys.txt"
+    assert config.serving.api_key_file == f"{mount['mountPath']}/{item['path']}"
+    # what kubelet would put there is what the engine reads
+    (tmp_path / item["path"]).write_text("k1\nk2\n")
+    local = config.replace(serving={"api_key_file": str(tmp_path / item["path"])})
+    assert load_api_keys(local) == (b"k1", b"k2")
+    # no secret: no volume, no key file, an open API
+    assert "api_key_file" not in mounted_config(spec())["serving"]
+    assert all(
+        v["name"] != "api-keys"
+        for v in render_deployment(OWNER, spec(), DEFAULTS)["spec"]["template"]["spec"]["volumes"]
+    )
+
+
 def test_rollout_strategy_defaults_by_replica_size_and_overrides():
     def strategy(**overrides):
         return render_deployment(OWNER, spec(**overrides), DEFAULTS)["spec"]["strategy"]
