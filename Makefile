@@ -21,6 +21,9 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[$(EXTRAS)]' -c .ci/constraints.txt
+	# the authors' reference DFlash, for tests/test_dflash_parity.py: it needs only torch and transformers to
+	# import, while its declared dependencies (datasets, pinned tqdm and requests) would add ~400 MB
+	case ',$(EXTRAS),' in *,dev,*) $(PIP) install -q --no-deps -c .ci/constraints.txt dflash ;; esac
 	touch $@
 
 setup: $(VENV)/.installed-$(EXTRAS)

@@ -356,7 +356,7 @@ def test_published_moe_drafter_config_parses_and_fits_its_target():
         ({"layer_types": ["sliding_attention"] * 8, "use_sliding_window": True}, "window is off"),  # no window
         ({"layer_types": ["chunked_attention"] * 8}, "layer_types"),
         ({"layer_types": ["full_attention"] * 7}, "layer_types"),
-        ({"is_causal": True}, "is_causal"),
+        ({"is_causal": "yes"}, "is_causal"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],
 )
@@ -368,7 +368,8 @@ def test_ambiguous_or_unsupported_drafter_configs_are_refused(change, message):
 
 def reference_drafter_forward(d: DFlashDrafter, block, blk_pos, ctx_features, ctx_pos):
     """The drafter without its cache: every layer attends from the block over [context; block] with an
-    explicit mask, |query position - key position| < window on its sliding layers, everything otherwise."""
+    explicit mask: on its sliding layers (causal by default) key position <= query position and
+    query - key < window; everything on its full, bidirectional, ones."""
     ctx = d.hidden_norm(d.fc(ctx_features))
     pos = torch.cat([ctx_pos, blk_pos], dim=1)
     cos_k, sin_k = (t[:, None] for t in ref_rope(d, pos))
@@ -385,7 +386,9 @@ def reference_drafter_forward(d: DFlashDrafter, block, blk_pos, ctx_features, ct
         q, k = rotate(q, cos_q, sin_q), rotate(k, cos_k, sin_k)
         visible = torch.ones(bs, 1, T, n, dtype=torch.bool)
         if layer.sliding_window is not None:
-            visible = (blk_pos[:, None, :, None] - pos[:, None, None, :]).abs() < layer.sliding_window
+            behind = blk_pos[:, None, :, None] - pos[:, None, None, :]
+            assert layer.causal
+            visible = (behind >= 0) & (behind < layer.sliding_window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
         x = x + a.o_proj(out.transpose(1, 2).reshape(bs, T, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -406,7 +409,8 @@ def rotate(x, cos, sin):
 def test_sliding_window_drafter_layers_equal_an_explicit_mask():
     """A sliding layer (window 5) then a full one, 13 context tokens written in two appends and a block of
     8 through the cache and the engine's mask, against the cache-free forward with explicit masks; the
-    window matters (the all-full drafter differs) and a window wider than the text changes nothing."""
+    window matters (the all-full drafter differs) and a window wider than the text (21 positions) changes
+    nothing."""
     target_cfg = tiny_moe_target().config
     g = torch.Generator().manual_seed(0)
     ctx_features = torch.randn(2, 13, 2 * 64, generator=g)
@@ -415,7 +419,7 @@ def test_sliding_window_drafter_layers_equal_an_explicit_mask():
     blk_pos = torch.arange(13, 21).expand(2, -1)
     mask = (torch.arange(32) < 21).expand(2, 1, 8, 32)
     outputs = {}
-    for window in (5, None, 64):
+    for window in (5, None, 21, 64):
         cfg = sliding_drafter_config(target_cfg, window=window or 4, block_size=8)
         cfg.target_layer_ids = [1, 3]
         if window is None:
@@ -432,7 +436,7 @@ def test_sliding_window_drafter_layers_equal_an_explicit_mask():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         outputs[window] = got
     assert (outputs[5] - outputs[None]).abs().max() > 1e-2, "the window must change the draft"
-    torch.testing.assert_close(outputs[64], outputs[None], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outputs[64], outputs[21], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.triton_interpreter

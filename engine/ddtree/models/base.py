@@ -77,7 +77,8 @@ class CausalLM(nn.Module):
         rows: the cache rows of the batch entries (default 0..bs-1).
 
         Returns (logits [bs, T, V] or the final normed hidden states, taps [bs, T, len(taps)*H] or None),
-        where tap l is the output of decoder layer l (0-based).
+        where tap l is the output of decoder layer l (0-based), of the last layer after the final norm:
+        transformers' hidden_states[l + 1].
         """
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
@@ -91,7 +92,9 @@ class CausalLM(nn.Module):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, h = layer(x, h, next_norm, cos, sin, slots, mask, rows, meta)
             if i in tap_layers:
-                taps[i] = x
+                # the last layer's tap is after the final norm: transformers' hidden_states[-1], what DFlash
+                # drafters are trained on
+                taps[i] = h if i == len(layers) - 1 else x
         tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         return (self.logits(h) if logits else h), tapped
 

@@ -368,11 +368,12 @@ def drafter_layout(cfg: dict, world: int, replicate: bool = False) -> tuple[Layo
         )
     hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    hd = cfg.get("head_dim") or hidden // heads
+    # transformers' Qwen3Config defaults and the DFlash keys' precedence, as DrafterConfig.from_hf reads them
+    kv = cfg.get("num_key_value_heads", 32) or heads
+    hd = cfg.get("head_dim", 128) or hidden // heads
     dflash = cfg.get("dflash_config") or {}
     taps = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
-    block = int(cfg.get("block_size", dflash.get("block_size", 16)))
+    block = int(dflash.get("block_size", cfg.get("block_size", 16)))
     bias = cfg.get("attention_bias", False)
     sizes = {"attention heads": heads, "KV heads": kv, "MLP width": inter, "vocabulary": cfg.get("vocab_size", 0)}
     split = world > 1 and not replicate and all(v % world == 0 for v in sizes.values())

@@ -235,7 +235,7 @@ class Engine:
             ctx_pos,
             ctx_slots,
         )
-        return self.target.logits(hidden[:, 1 : 1 + self.max_depth])
+        return self.drafter.draft_logits(hidden[:, 1 : 1 + self.max_depth], self.target.logits)
 
     def build_tree(self, n: int, span: int) -> Tree:
         plan = self.plan(n)

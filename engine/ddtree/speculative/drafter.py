@@ -3,13 +3,18 @@
 One forward maps the block [bonus, MASK, ..., MASK] plus fused target hidden states of the committed
 context to block_size - 1 independent next-token distributions. Context features go through
 `fc` + `hidden_norm` once and are injected as extra keys/values in every layer (cached per layer);
-block queries attend to the whole context and bidirectionally inside the block. The drafter has no
+block queries attend to the whole context, and inside the block bidirectionally (full-attention layers)
+or causally (sliding-window layers, or every layer when the config sets `is_causal`). The drafter has no
 embedding or LM head of its own: it uses the target's.
+
+The config is read as the authors' reference (PyPI `dflash` 0.1.0, dflash/model.py, on transformers'
+Qwen3Config) reads it; tests/test_dflash_parity.py checks the two against each other.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +33,7 @@ from ..models.layers import (
     rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
+    rope_kind,
 )
 from ..models.llama import ModelConfig
 
@@ -46,16 +52,16 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 def sliding_layers(cfg: dict) -> tuple[list[str] | None, int | None]:
     """(layer_types, sliding_window) of a drafter config.json dict, read as transformers' Qwen3Config reads
-    them (z-lab's DFlashDraftModel is built on it): the window is `sliding_window` when `use_sliding_window`
-    is true and None otherwise; `layer_types` is given, or, with a window, "sliding_attention" from layer
-    `max_window_layers` (default 28) on. (None, None) when every layer is full attention.
+    them (the reference DFlashDraftModel is built on it): the window is `sliding_window` when
+    `use_sliding_window` is true and None otherwise; `layer_types` is given, or, with a window,
+    "sliding_attention" from layer `max_window_layers` (default 28) on. (None, None) when every layer is full
+    attention.
 
-    Sliding layers stay bidirectional inside the block, as in the DFlash drafter (z-lab/dflash at 44947fb,
-    2026-04-26: is_causal False, the window passed to the attention; SGLang and vLLM likewise; from_hf
-    refuses `is_causal` true). A config whose layer_types name sliding layers while the window is off (no
-    `use_sliding_window`, or no `sliding_window`) is refused: transformers would run those layers as full
-    attention, later z-lab code as causal ones, and which of the two the drafter was trained with cannot
-    be told from the config."""
+    A sliding layer is causal unless the config's `is_causal` says otherwise (DrafterConfig.layer_causal), as in
+    the reference (dflash 0.1.0; SGLang and vLLM keep the same default). A config whose layer_types name
+    sliding layers while the window is off (no `use_sliding_window`, or no `sliding_window`) is refused:
+    transformers would run those layers as full attention, the reference's attention as causal ones over the
+    whole context, and the reference's own cache (transformers' DynamicCache) cannot be built for it."""
     layers = cfg["num_hidden_layers"]
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     types = cfg.get("layer_types")
@@ -79,6 +85,11 @@ def sliding_layers(cfg: dict) -> tuple[list[str] | None, int | None]:
     return types, window
 
 
+# config keys (top level or dflash_config) other runtimes read that change the drafter's math (vLLM and
+# ModelOpt: a sliding window over every layer, a learned attention sink); the reference reads neither
+FOREIGN_KEYS = ("use_swa", "attention_sink_bias")
+
+
 @dataclass
 class DrafterConfig:
     vocab_size: int
@@ -98,15 +109,29 @@ class DrafterConfig:
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     # each layer's attention, "full_attention" or "sliding_attention" (None: all full), and the window of the
-    # sliding ones: a block query at position p sees the keys at positions q with |p - q| < sliding_window
+    # sliding ones: a block query at position p sees the keys at positions q with
+    # p - q < sliding_window, and, in a bidirectional layer, q - p < sliding_window as well
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    # every layer causal (True) or bidirectional inside the block (False); None: sliding layers causal, full
+    # ones bidirectional
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0  # the block's embeddings are the target's embedding rows times this
+    output_multiplier: float = 1.0  # draft logits: the target's LM head times this, then soft-capped
+    final_logit_softcapping: float | None = None  # cap * tanh(logits / cap) when > 0
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of drafter layer `layer`, None for a full-attention layer."""
         if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def layer_causal(self, layer: int) -> bool:
+        """Whether drafter layer `layer` is causal inside the block (each block query sees the block keys up
+        to its own position)."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     def split_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
@@ -125,7 +150,7 @@ class DrafterConfig:
         """A drafter shaped like the target's attention and MLP. An MLA target (DeepSeek-V3, Kimi K2) has no
         dense head_dim or KV heads: the drafter takes its drafter_attention() (the published Kimi-K2.5
         drafter's shape: the target's heads, head dim v_head_dim, a divisor of the heads near heads / 8 as KV
-        heads). The target's RoPE scaling is copied; the drafter's attention applies no cos/sin factor, so a
+        heads). The target's RoPE scaling is copied; training's block forward applies no cos/sin factor, so a
         YaRN whose attention factor is not 1 is copied with attention_factor 1 (a random drafter's RoPE only
         needs to be consistent with itself; a trained drafter brings its own config)."""
         if isinstance(target, MLAConfig):
@@ -156,52 +181,100 @@ class DrafterConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> DrafterConfig:
+        """Read a drafter config.json as the reference does: transformers' Qwen3Config fields with its
+        defaults (head_dim 128, 32 KV heads, RoPE from `rope_parameters` or the older `rope_scaling`), and the
+        DFlash keys from `dflash_config` first, then from the top level. What the reference computes and this
+        drafter does not is refused, never ignored."""
         arch = cfg.get("architectures") or ["DFlashDraftModel"]
+        if arch[0] == "DFlash2DraftModel":
+            raise DrafterMismatchError(
+                "DFlash2 drafters (DFlash2DraftModel: dynamic convolutions and a candidate selector) are not supported"
+            )
         if arch[0] != "DFlashDraftModel":
             raise DrafterMismatchError(f"unsupported drafter architecture {arch[0]} (expected DFlashDraftModel)")
         if cfg.get("hidden_act", "silu") != "silu":
             raise DrafterMismatchError(f"drafter hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-        if cfg.get("is_causal"):  # later z-lab code reads it: causal attention inside the block
-            raise DrafterMismatchError("drafters with causal attention (is_causal true) are not supported")
-        layer_types, window = sliding_layers(cfg)
         dflash = cfg.get("dflash_config") or {}
-        heads = cfg["num_attention_heads"]
-        layer_ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
+
+        def value(name: str, default=None):
+            return dflash.get(name, cfg.get(name, default))
+
+        foreign = [k for k in FOREIGN_KEYS if dflash.get(k) or cfg.get(k)]
+        if foreign:
+            raise DrafterMismatchError(f"drafter config sets {', '.join(foreign)}, which this drafter does not compute")
+        is_causal = cfg.get("is_causal")
+        if is_causal is not None and not isinstance(is_causal, bool):
+            raise DrafterMismatchError(f"drafter is_causal {is_causal!r} must be true, false or null")
+        layer_types, window = sliding_layers(cfg)
+        layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        layer_ids = value("target_layer_ids")
         if layer_ids is None:
-            layer_ids = default_target_layer_ids(cfg["num_target_layers"], cfg["num_hidden_layers"])
+            if cfg.get("num_target_layers") is None:
+                raise DrafterMismatchError("drafter config gives neither target_layer_ids nor num_target_layers")
+            layer_ids = default_target_layer_ids(cfg["num_target_layers"], layers)
+        mask_token_id = value("mask_token_id")
+        if mask_token_id is None:
+            raise DrafterMismatchError("drafter config has no mask_token_id")
         rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling")
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("default", None):
+        scaling = cfg.get("rope_scaling") or None
+        if rope_kind(rope) not in ("default", None):
+            scaling = dict(rope)
+        if rope_kind(scaling) in ("default", None):
             scaling = None
-        return cls(
+        softcap = value("final_logit_softcapping")
+        kv_heads = cfg.get("num_key_value_heads", 32)
+        out = cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            block_size=int(cfg.get("block_size", dflash.get("block_size", 16))),
+            num_key_value_heads=heads if kv_heads is None else kv_heads,
+            head_dim=cfg.get("head_dim", 128) or cfg["hidden_size"] // heads,
+            block_size=int(value("block_size", 16)),
             num_target_layers=cfg.get("num_target_layers"),
-            mask_token_id=int(dflash.get("mask_token_id", cfg.get("mask_token_id"))),
+            mask_token_id=int(mask_token_id),
             target_layer_ids=list(layer_ids),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             attention_bias=cfg.get("attention_bias", False),
             layer_types=layer_types,
             sliding_window=window,
+            is_causal=is_causal,
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
         )
+        # vLLM's all-layer override: accepted only where it says what the layers compute anyway
+        if "causal" in dflash and any(out.layer_causal(i) != bool(dflash["causal"]) for i in range(layers)):
+            raise DrafterMismatchError(
+                f"drafter dflash_config causal {dflash['causal']} disagrees with its layers' attention "
+                f"(is_causal {is_causal}, layer_types {layer_types})"
+            )
+        try:  # an unsupported RoPE fails here rather than at setup_caches
+            rope_inv_freq(out.head_dim, out.rope_theta, out.rope_scaling, applies_attention_factor=True)
+        except ValueError as e:
+            raise DrafterMismatchError(f"drafter RoPE: {e}") from e
+        return out
 
     def to_hf(self) -> dict:
         """The published z-lab layout: a Qwen3 config plus the DFlash keys."""
         cfg = asdict(self)
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
         for key in ("block_size", "mask_token_id", "target_layer_ids"):
             cfg.pop(key)
-        for key in ("num_target_layers", "layer_types", "sliding_window"):
+        for key in ("num_target_layers", "layer_types", "sliding_window", "is_causal"):
             if cfg[key] is None:
                 cfg.pop(key)
+        for key, default in (
+            ("input_embedding_scale", 1.0),
+            ("output_multiplier", 1.0),
+            ("final_logit_softcapping", None),
+        ):
+            if cfg.pop(key) != default:
+                dflash[key] = getattr(self, key)
         if self.sliding_window is not None:
             cfg["use_sliding_window"] = True  # transformers' Qwen3Config drops the window without it
         cfg.update(
@@ -211,7 +284,7 @@ class DrafterConfig:
             hidden_act="silu",
             tie_word_embeddings=False,
             block_size=self.block_size,
-            dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            dflash_config=dflash,
         )
         return cfg
 
@@ -292,6 +365,7 @@ class DrafterAttention(nn.Module):
 
 class DrafterLayer(nn.Module):
     sliding_window: int | None = None  # set by DFlashDrafter for a sliding-window layer
+    causal: bool = False  # set by DFlashDrafter for a layer causal inside the block
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -315,24 +389,30 @@ class DFlashDrafter(nn.Module):
         )
         for i, layer in enumerate(self.layers):
             layer.sliding_window = cfg.layer_window(i)
+            layer.causal = cfg.layer_causal(i)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
-        )
+        self.register_buffer("inv_freq", self.rope_inv_freq(), persistent=False)
+        # YaRN's factor on cos and sin, as transformers' rotary embedding applies it
+        self.rope_factor = rope_attention_factor(cfg.rope_scaling)
         self.max_batch = self.max_slots = 0
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
+    def rope_inv_freq(self) -> Tensor:
+        cfg = self.config
+        return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, applies_attention_factor=True)
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(self.inv_freq, positions, dtype, self.rope_factor)
+
     def setup_caches(self, max_batch: int, max_slots: int) -> None:
         p = self.fc.weight
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
-        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(
-            p.device
-        )
+        self.inv_freq = self.rope_inv_freq().to(p.device)
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(  # this rank's KV heads when split
                 max_batch, layer.self_attn.n_kv, max_slots, self.config.head_dim, p.dtype, p.device
@@ -349,35 +429,56 @@ class DFlashDrafter(nn.Module):
         ctx_positions: Tensor | None = None,
         ctx_slots: Tensor | None = None,
     ) -> Tensor:
-        """block_embeds [bs, BS, H]: target embeddings of [bonus, MASK...]; ctx_features
-        [bs, P, taps*H]: tapped target hidden states of newly committed tokens (cached here);
-        mask [bs, 1, BS, span] over drafter cache slots. Returns normed hidden states [bs, BS, H]."""
+        """block_embeds [bs, BS, H]: target embeddings of [bonus, MASK...] (the drafter applies its
+        input_embedding_scale); ctx_features [bs, P, taps*H]: tapped target hidden states of newly committed
+        tokens (cached here); mask [bs, 1, BS, span] over drafter cache slots: the context and the whole
+        block (the causal and windowed layers narrow it, layer_mask). Returns normed hidden states [bs, BS, H]."""
         dtype = block_embeds.dtype
-        rope_blk = rope_cos_sin(self.inv_freq, block_positions, dtype)
+        rope_blk = self.rope(block_positions, dtype)
         ctx = rope_ctx = None
         if ctx_features is not None:
             ctx = self.hidden_norm(self.fc(ctx_features))
-            rope_ctx = rope_cos_sin(self.inv_freq, ctx_positions, dtype)
-        x = block_embeds
+            rope_ctx = self.rope(ctx_positions, dtype)
+        scale = self.config.input_embedding_scale
+        x = block_embeds if scale == 1.0 else block_embeds * scale
         bs, T, _ = x.shape
         meta = self.layers[0].self_attn.metadata(mask.expand(bs, 1, T, mask.shape[-1])) if self.layers else None
-        windowed = self.window_mask(mask, block_slots)
+        masks: dict[tuple[int | None, bool], Tensor] = {}  # one per kind of layer in this drafter
         for layer in self.layers:
-            layer_mask = mask if layer.sliding_window is None else windowed
-            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, layer_mask, meta)
+            kind = (layer.sliding_window, layer.causal)
+            if kind not in masks:
+                masks[kind] = self.layer_mask(mask, block_slots, *kind)
+            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, masks[kind], meta)
         return self.norm(x)
 
-    def window_mask(self, mask: Tensor, block_slots: Tensor) -> Tensor | None:
-        """The mask of the sliding-window layers (None without any): `mask` [bs, 1, BS, span] where the key's
-        slot is within the window of the query's, |query - key| < sliding_window. The drafter cache keeps
-        each token at the slot of its position (the Engine writes it so), so this is the window over
-        positions, the context's and the block's alike. The same extent (meta) still bounds it."""
-        window = self.config.sliding_window
-        if window is None or all(layer.sliding_window is None for layer in self.layers):
-            return None
+    @staticmethod
+    def layer_mask(mask: Tensor, block_slots: Tensor, window: int | None, causal: bool) -> Tensor:
+        """`mask` [bs, 1, BS, span] narrowed for a layer: a causal layer's query sees no key past its own slot;
+        a windowed one sees the keys within window - 1 slots before it (and, bidirectional, after it). The
+        drafter cache keeps each token at the slot of its position (the Engine writes it so), so this is
+        over positions, the context's and the block's alike. The same extent (meta) still bounds it."""
+        if window is None and not causal:
+            return mask
         keys = torch.arange(mask.shape[-1], device=mask.device)
         queries = block_slots[:, None, :, None]
-        return mask & ((queries - keys) < window) & ((keys - queries) < window)
+        if causal:
+            mask = mask & (keys <= queries)
+        if window is not None:
+            mask = mask & ((queries - keys) < window)
+            if not causal:
+                mask = mask & ((keys - queries) < window)
+        return mask
+
+    def draft_logits(self, hidden: Tensor, lm_head: Callable[[Tensor], Tensor]) -> Tensor:
+        """Draft logits of forward()'s hidden states through the target's LM head, with the drafter's
+        output_multiplier and final_logit_softcapping."""
+        logits = lm_head(hidden)
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return logits
 
     def append_context(
         self, ctx_features: Tensor, positions: Tensor, slots: Tensor, rows: Tensor | None = None
@@ -385,7 +486,7 @@ class DFlashDrafter(nn.Module):
         """Cache the context keys/values of committed tokens without running a block (the prompt:
         context K/V depend only on the fused features, never on the block)."""
         ctx = self.hidden_norm(self.fc(ctx_features))
-        rope_ctx = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
+        rope_ctx = self.rope(positions, ctx.dtype)
         for layer in self.layers:
             layer.self_attn.append_context(ctx, rope_ctx, slots, rows)
 
