@@ -35,12 +35,13 @@ HIDDEN, TARGET_LAYERS = 64, 4
 ATOL = RTOL = 1e-4
 
 
-def hf_target(seed: int, folder, mask_boost: float = 1.0):
+def hf_target(seed: int, folder, mask_boost: float = 1.0, moe: bool = False):
     """A tiny random Qwen3 (tied embeddings, peaked logits so that greedy choices are stable) saved to `folder`;
     mask_boost scales the mask token's embedding row, so that the target emits it in runs that a small random
-    drafter (which mostly predicts the mask token back) then drafts right."""
+    drafter (which mostly predicts the mask token back) then drafts right. moe: a Qwen3-MoE (4 experts, top 2,
+    every layer sparse)."""
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(
+    shape = dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=2 * HIDDEN,
@@ -51,7 +52,13 @@ def hf_target(seed: int, folder, mask_boost: float = 1.0):
         tie_word_embeddings=True,
         max_position_embeddings=256,
     )
-    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    if moe:
+        cfg = transformers.Qwen3MoeConfig(
+            **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN, decoder_sparse_step=1
+        )
+        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape)).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -266,6 +273,24 @@ def test_greedy_generation_equals_the_reference(layout, seed, tmp_path):
     for r in range(compared):
         want = want_logits[r]
         torch.testing.assert_close(got_logits[r][:, : want.shape[1]], want, atol=ATOL, rtol=RTOL, msg=f"round {r}")
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_greedy_generation_on_a_moe_target_equals_the_reference(seed, tmp_path):
+    """The same on a Qwen3-MoE target (our qwen3_moe family against transformers' Qwen3MoeForCausalLM under
+    the reference loop), with an all-causal drafter so that every round must agree."""
+    hf = hf_target(30 + seed, tmp_path / "target", mask_boost=3.0, moe=True)
+    ref = reference_drafter(40 + seed, tmp_path / "drafter", scale=0.1, **LAYOUTS["causal"])
+    target = load_pretrained(tmp_path / "target", torch.float32, "cpu")
+    assert type(target.config).__module__ == "ddtree.models.qwen3_moe"  # the MoE family, not the dense one
+    drafter = load_drafter(tmp_path / "drafter", target.config, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB - 1, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        want_tokens, want_accepted, _ = reference_generate(ref, hf, prompt, MAX_NEW)
+    engine = Engine(target, drafter, "dflash", max_batch_size=1, max_seq_len=64)
+    got = engine.generate([prompt], SamplingParams(max_new_tokens=MAX_NEW))[0]
+    assert got.token_ids == want_tokens
+    assert got.accepted_per_round == want_accepted and max(want_accepted) >= 2
 
 
 def test_batched_generation_equals_the_reference_per_prompt(tmp_path):
