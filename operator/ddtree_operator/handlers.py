@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -23,6 +25,7 @@ import aiohttp
 import kopf
 import kubernetes
 import pydantic
+import urllib3
 
 from . import api
 from .fit import ConfigRef, MemoryCheck, decide, plan_inputs
@@ -32,6 +35,7 @@ from .status import PodView, compute_status, deployment_view, pod_view, status_p
 
 FIELD_MANAGER = "ddtree-operator"
 STATUS_TICK_SECONDS = 5.0  # status follows pods this fast; scraping has its own per-resource interval
+API_RETRY_SECONDS = 10.0  # an apply the API server did not take (down, restarting, busy) is tried again this soon
 SCRAPE_TIMEOUT_SECONDS = 3.0
 HUB_TIMEOUT_SECONDS = 10.0  # one config.json; a slow or unreachable hub skips the fit check, never blocks
 HUB_MAX_CONFIG_BYTES = 4 << 20
@@ -114,7 +118,40 @@ def _missing_kind(exc: kubernetes.client.ApiException) -> str | None:
         return None
 
 
+def _status_message(exc: kubernetes.client.ApiException) -> str:
+    """The message of the Status an API error carries, or its HTTP reason."""
+    try:
+        return json.loads(exc.body or "{}").get("message") or exc.reason
+    except (ValueError, AttributeError):
+        return exc.reason
+
+
+@contextlib.contextmanager
+def _failures_are_temporary(owner: Owner) -> Iterator[None]:
+    """A request of the apply that failed (the API server restarting: connections refused, then 403 until its
+    authorizer has synced; overloaded: 429; a webhook down: 500) is retried in API_RETRY_SECONDS, as kopf
+    retries any error, but said in one line (the log and the Event) instead of a traceback of the HTTP
+    exchange, and a status tick does not wait kopf's default minute of backoff for it."""
+    try:
+        yield
+    except urllib3.exceptions.HTTPError as exc:
+        reason = getattr(exc, "reason", None) or exc  # MaxRetryError: the last connection error
+        raise kopf.TemporaryError(
+            f"applying {owner.namespace}/{owner.name}: API server unreachable: {reason}", delay=API_RETRY_SECONDS
+        ) from exc
+    except kubernetes.client.ApiException as exc:
+        raise kopf.TemporaryError(
+            f"applying {owner.namespace}/{owner.name}: HTTP {exc.status} {exc.reason}: {_status_message(exc)}",
+            delay=API_RETRY_SECONDS,
+        ) from exc
+
+
 def apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymentSpec, body: Any) -> None:
+    with _failures_are_temporary(owner):
+        _apply_children(memo, owner, spec, body)
+
+
+def _apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymentSpec, body: Any) -> None:
     client: kubernetes.client.ApiClient = memo.api
     for child in render_children(owner, spec, memo.defaults):
         try:
@@ -203,9 +240,9 @@ async def memory_check(spec: api.SpeculativeDeploymentSpec, memo: kopf.Memo, log
 
 
 # A failed apply (API server busy, webhook down) is retried after 10 s, not kopf's default minute.
-@kopf.on.resume(*RESOURCE, backoff=10)
-@kopf.on.create(*RESOURCE, backoff=10)
-@kopf.on.update(*RESOURCE, field="spec", backoff=10)
+@kopf.on.resume(*RESOURCE, backoff=API_RETRY_SECONDS)
+@kopf.on.create(*RESOURCE, backoff=API_RETRY_SECONDS)
+@kopf.on.update(*RESOURCE, field="spec", backoff=API_RETRY_SECONDS)
 async def reconcile(
     name: str, namespace: str, uid: str, spec: Any, body: Any, memo: kopf.Memo, logger: Any, **_: Any
 ) -> None:
@@ -280,8 +317,9 @@ def _condition(conditions: list[Any], type_: str) -> dict[str, Any]:
     return next((c for c in conditions if c.get("type") == type_), {})
 
 
-# kopf passes the indices by name through **kwargs, which its TimerFn protocol can't express
-@kopf.timer(*RESOURCE, interval=STATUS_TICK_SECONDS)  # type: ignore[arg-type]
+# kopf passes the indices by name through **kwargs, which its TimerFn protocol can't express. A tick that
+# fails is tried again at the next tick, not after kopf's default minute of backoff (status would freeze).
+@kopf.timer(*RESOURCE, interval=STATUS_TICK_SECONDS, backoff=STATUS_TICK_SECONDS)  # type: ignore[arg-type]
 async def refresh_status(
     name: str,
     namespace: str,

@@ -12,9 +12,12 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +34,7 @@ OPERATOR_NAMESPACE = "ddtree-system"
 OPERATOR_SA = "ddtree-operator"  # what the chart names it for release `ddtree`
 ENGINE_IMAGE = "ddtree-engine:test"
 OWNER_LABEL_KEY = "ddtree.dev/speculativedeployment"  # on every engine pod
+CLOSED_PORT_URL = "http://127.0.0.1:9"  # refused at once: a hub endpoint that never hangs a test
 
 
 def load_hack_module(name: str):
@@ -69,6 +73,34 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last value: {last!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How a control-plane process was started, read back from /proc: enough to start it again as it was."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+
+    @classmethod
+    def of(cls, pid: int) -> Launch:
+        proc = pathlib.Path(f"/proc/{pid}")
+        argv = [a.decode() for a in proc.joinpath("cmdline").read_bytes().split(b"\0") if a]
+        pairs = (e.decode().partition("=") for e in proc.joinpath("environ").read_bytes().split(b"\0") if e)
+        return cls(argv, {k: v for k, _, v in pairs}, os.readlink(proc / "cwd"))
+
+    def flag(self, name: str) -> str:
+        return next(a.split("=", 1)[1] for a in self.argv if a.startswith(f"--{name}="))
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a process this one did not start is reaped by someone else, maybe late)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 @dataclasses.dataclass
 class Cluster:
     workdir: pathlib.Path
@@ -76,6 +108,63 @@ class Cluster:
     kubectl_path: str
     helm_path: str
     api: kubernetes.client.ApiClient
+
+    # ---- control-plane processes (WORK_DIR/pids: "PID NAME" lines, what stop-test-cluster.sh stops) ----
+
+    def pid(self, component: str) -> int:
+        for line in (self.workdir / "pids").read_text().splitlines():
+            pid, name = line.split()
+            if name == component:
+                return int(pid)
+        raise KeyError(f"no {component} in {self.workdir / 'pids'}")
+
+    def stop(self, component: str, sig: int = signal.SIGTERM) -> Launch:
+        """Stop one component (SIGKILL after 15 s, as stop-test-cluster.sh does); returns how to start it."""
+        pid = self.pid(component)
+        launch = Launch.of(pid)
+        os.kill(pid, sig)
+        deadline = time.monotonic() + 15
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+            while _running(pid):
+                time.sleep(0.05)
+        return launch
+
+    def start(self, component: str, launch: Launch, timeout: float = 60) -> None:
+        """Start a stopped component with its old command line, environment and log; wait until it serves."""
+        with open(self.workdir / "logs" / f"{component}.log", "ab") as log:
+            child = subprocess.Popen(
+                launch.argv,
+                env=launch.env,
+                cwd=launch.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # like the script's background jobs: no terminal signals
+            )
+        # Reaped the moment it exits: stop-test-cluster.sh would wait 15 s on an unreaped zombie.
+        threading.Thread(target=child.wait, daemon=True).start()
+        pids = self.workdir / "pids"
+        lines = [
+            f"{child.pid} {component}" if ln.split()[1] == component else ln for ln in pids.read_text().splitlines()
+        ]
+        pids.write_text("".join(f"{ln}\n" for ln in lines))
+        if component == "etcd":
+            url = launch.flag("listen-client-urls").split(",")[0] + "/health"
+            wait_for(lambda: _http_ok(url), timeout, f"etcd {url}", interval=0.2)
+        if component in ("etcd", "kube-apiserver"):
+            wait_for(self.api_ready, timeout, "kube-apiserver /readyz", interval=0.2)
+        assert _running(child.pid), f"{component} exited; see {self.workdir / 'logs' / component}.log"
+
+    def restart(self, component: str, down_seconds: float = 0.0, sig: int = signal.SIGTERM) -> None:
+        launch = self.stop(component, sig)
+        time.sleep(down_seconds)
+        self.start(component, launch)
+
+    def api_ready(self) -> bool:
+        return self.kubectl("get", "--raw", "/readyz", check=False).returncode == 0
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(
@@ -136,6 +225,14 @@ class Cluster:
         return {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, ends, strict=True)}
 
 
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 def exists(read: Callable[[], Any]) -> bool:
     try:
         read()
@@ -157,7 +254,7 @@ def operator_environment(kubeconfig: pathlib.Path):
     os.environ.update(KUBECONFIG=str(kubeconfig), DDTREE_ENGINE_IMAGE=ENGINE_IMAGE, NO_PROXY="127.0.0.1,localhost")
     # the fit check fetches configs from the hub: here a closed local port (refused at once), unless a
     # test serves a fake hub
-    os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+    os.environ.setdefault("HF_ENDPOINT", CLOSED_PORT_URL)
     try:
         yield
     finally:
@@ -166,3 +263,31 @@ def operator_environment(kubeconfig: pathlib.Path):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def start_operator(kubeconfig: pathlib.Path, log_path: pathlib.Path) -> subprocess.Popen:
+    """The operator as its own process (`kopf run`, as the chart's Deployment runs it), logging to a file."""
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "DDTREE_ENGINE_IMAGE": ENGINE_IMAGE,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "HF_ENDPOINT": os.environ.get("HF_ENDPOINT", CLOSED_PORT_URL),
+    }
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "-m", "ddtree_operator.handlers"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def stop_operator(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

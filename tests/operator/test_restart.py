@@ -2,34 +2,14 @@
 it is down, and starting it again converges: no duplicate or orphaned objects, every change applied."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import yaml
 
-from kube_testbed import ENGINE_IMAGE, OWNER_LABEL_KEY, wait_for
+from kube_testbed import OWNER_LABEL_KEY, start_operator, stop_operator, wait_for
 
 NAMES = ("alpha", "beta", "gamma")
-
-
-def start_operator(kubeconfig, log_path):
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(kubeconfig),
-        "DDTREE_ENGINE_IMAGE": ENGINE_IMAGE,
-        "NO_PROXY": "127.0.0.1,localhost",
-    }
-    log = open(log_path, "ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "-m", "ddtree_operator.handlers"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def spec(budget=8, replicas=1):
@@ -135,12 +115,7 @@ def test_kill_and_restart_mid_reconcile_converges(cluster, operator_kubeconfig, 
         # Remove the resources while an operator can still drop their finalizers.
         for name in ("alpha", "beta"):
             cluster.kubectl("delete", "specdeploy", name, "-n", namespace, "--timeout=60s", check=False)
-        second.send_signal(signal.SIGTERM)
-        try:
-            second.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            second.kill()
-            second.wait()
+        stop_operator(second)
     output = log.read_text(errors="replace")
     assert "Traceback" not in output, output[-6000:]
     if second.returncode not in (0, -signal.SIGTERM):
