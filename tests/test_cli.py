@@ -99,6 +99,26 @@ def test_generate_json_and_drafter_round_trip(tmp_path, smollm2):
 
 
 @pytest.mark.slow
+def test_init_drafter_writes_a_dflash2_drafter_that_runs_as_a_chain(tmp_path, smollm2):
+    out = tmp_path / "drafter2"
+    r = run_cli("init-drafter", "--target", "smollm2-135m-instruct", "--out", str(out), "--layout", "dflash2")
+    assert r.returncode == 0 and "DFlash2DraftModel" in r.stdout, r.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 8
+    tokens = {}
+    for method in ("ar", "dflash"):
+        args = ["--model", "smollm2-135m-instruct", "--drafter", str(out), "--method", method]
+        r = run_cli("generate", *args, "--max-new-tokens", "12", "--prompt", "The capital of France is", "--json")
+        assert r.returncode == 0, r.stderr
+        tokens[method] = json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]
+    assert tokens["dflash"] == tokens["ar"]
+    r = run_cli(
+        "generate", "--model", "smollm2-135m-instruct", "--drafter", str(out), "--method", "ddtree", "--prompt", "Hi"
+    )
+    assert r.returncode == 2 and "DFlash2" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
 def test_smoke_passes_and_a_corrupted_input_fails_with_termination_log(tmp_path, smollm2):
     drafter = tmp_path / "drafter"
     assert run_cli("init-drafter", "--target", "smollm2-135m-instruct", "--out", str(drafter)).returncode == 0

@@ -27,7 +27,8 @@ except ImportError as exc:  # `make setup` installs it; a missing reference must
 
 from ddtree.models.registry import load_pretrained  # noqa: E402
 from ddtree.runtime.engine import Engine, SamplingParams  # noqa: E402
-from ddtree.speculative.drafter import DrafterConfig, DrafterMismatchError, load_drafter  # noqa: E402
+from ddtree.speculative.drafter import DrafterConfig, DrafterMismatchError  # noqa: E402
+from ddtree.speculative.loading import load_drafter  # noqa: E402
 
 VOCAB = 32  # tiny, so that a random drafter is right often enough to accept several tokens in a round
 MASK = VOCAB - 1

@@ -11,9 +11,9 @@ from ddtree.speculative.drafter import (
     DrafterMismatchError,
     default_target_layer_ids,
     init_drafter,
-    load_drafter,
     save_drafter,
 )
+from ddtree.speculative.loading import load_drafter
 
 ZLAB_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
     f"layers.0.{k}.weight"

@@ -82,7 +82,7 @@ def test_shipped_drafter_is_lossless_and_accepts_on_held_out_code(smollm2):
     from pathlib import Path
 
     from ddtree.models.checkpoint import resolve_model
-    from ddtree.speculative.drafter import load_drafter
+    from ddtree.speculative.loading import load_drafter
 
     model, tok, _ = smollm2
     drafter = load_drafter(resolve_model("smollm2-135m-instruct-dflash"), model.config, dtype=torch.float32)

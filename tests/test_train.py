@@ -10,7 +10,8 @@ import torch
 from ddtree.models.llama import ModelConfig, Transformer
 from ddtree.models.random import ByteTokenizer
 from ddtree.runtime.engine import Engine, SamplingParams
-from ddtree.speculative.drafter import DrafterConfig, DrafterMismatchError, init_drafter, load_drafter, save_drafter
+from ddtree.speculative.drafter import DrafterConfig, DrafterMismatchError, init_drafter, save_drafter
+from ddtree.speculative.loading import load_drafter
 from ddtree.training.data import (
     TokenData,
     corpus_files,

@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--mask-token-id", type=int, help="vocabulary row used as MASK (default: the last one)")
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    d.add_argument(
+        "--layout",
+        choices=["dflash", "dflash2"],
+        default="dflash",
+        help="DFlashDraftModel (default; what train-drafter trains) or DFlash2DraftModel (runs with --method "
+        "dflash; its convolutions and selector at the reference's shapes: kernel 4, groups of 64, rank 64, top 8)",
+    )
     d.set_defaults(handler="ddtree.training.commands:cmd_init_drafter")
     return parser
 

@@ -392,6 +392,22 @@ def drafter_layout(cfg: dict, world: int, replicate: bool = False) -> tuple[Layo
         Weight(d, "norm", (hidden,)),
         Weight(d, "rotary.inv_freq", (hd // 2,), fp32=True),
     ]
+    if (cfg.get("architectures") or [""])[0] == "DFlash2DraftModel":  # dflash2.DFlash2Drafter's additions
+        kernel, group, rank = (
+            int(dflash.get(k, cfg.get(k)) or 0) for k in ("conv_kernel_size", "conv_group_size", "selector_rank")
+        )
+        group, vocab = group or hidden, cfg.get("vocab_size", 0)
+        for i in range(layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                weights += [
+                    Weight(d, f"layers.{i}.{conv}.base_kernel", (2, kernel, hidden)),
+                    Weight(d, f"layers.{i}.{conv}.kernel_projection", (2 * kernel * (hidden // group), hidden), True),
+                ]
+        weights += [
+            Weight(d, "candidate_selector.predecessor_codebook", (vocab, rank)),
+            Weight(d, "candidate_selector.successor_codebook", (vocab, rank)),
+            Weight(d, "candidate_selector.hidden_projection", (rank, hidden), linear=True),
+        ]
     layout = Layout(
         description=f"DFlash drafter ({layers} layers, block {block}, {'split' if split else 'whole on every rank'})",
         weights=weights,

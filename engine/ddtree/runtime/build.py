@@ -109,7 +109,8 @@ def target_config(ref: str, revision: str | None = None):
 def load_drafter_ref(ref: str, target, device: str, dtype, revision: str | None = None):
     from ..models.checkpoint import resolve_model
     from ..models.random import RANDOM_PREFIX
-    from ..speculative.drafter import load_drafter, random_drafter
+    from ..speculative.drafter import random_drafter
+    from ..speculative.loading import load_drafter
 
     if ref.startswith(RANDOM_PREFIX):  # random:LAYERS, a random-init drafter (cost runs)
         layers = ref.removeprefix(RANDOM_PREFIX)

@@ -1,6 +1,6 @@
-"""One engine for three methods: `ar` (plain decoding), `dflash` (verify the drafter's argmax chain)
-and `ddtree` (verify the top-B prefix tree). They share every step; only the tree differs, and plain
-decoding is the root-only tree.
+"""One engine for three methods: `ar` (plain decoding), `dflash` (verify the drafter's argmax chain, or a
+DFlash2 drafter's selector chain) and `ddtree` (verify the top-B prefix tree). They share every step; only
+the tree differs, and plain decoding is the root-only tree.
 
 The engine owns `max_batch_size` rows (a batch row: one running request and its row of the KV caches).
 A request joins a free row with an eager prefill (`add`) and leaves it between rounds (`release`), so a
@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from ..models.llama import Transformer
-from ..speculative.drafter import DFlashDrafter
-from ..speculative.tree import Tree, build_chain, root_only
+from ..speculative.dflash2 import DFlash2Drafter
+from ..speculative.drafter import DFlashDrafter, DrafterMismatchError
+from ..speculative.tree import Tree, build_chain, chain, root_only
 from ..speculative.verify import decide, tree_mask, walk
 from .fused import tree_builder, use_backend, use_drafter_backend
 from .plan import RoundPlan, check_budget, needs_drafter, round_plans, round_sizes
@@ -85,6 +86,11 @@ class Engine:
         _, largest = check_budget(method, budget)
         if drafter is not None:
             drafter.config.check_target(target.config)
+        if method == "ddtree" and isinstance(drafter, DFlash2Drafter):
+            raise DrafterMismatchError(
+                "method 'ddtree' cannot run a DFlash2 drafter: the tree builder takes one draft distribution per "
+                "depth and DFlash2's depends on the parent token (use --method dflash)"
+            )
         self.target, self.method = target, method
         # budget 0 everywhere verifies the root only: plain decoding, no drafter work
         self.drafter = drafter if needs_drafter(method, budget) else None
@@ -217,8 +223,8 @@ class Engine:
         live = (j < count[:, None]) & self.active[:n, None]
         return ctx_pos.clamp(min=0), torch.where(live, ctx_pos, self.drafter.max_slots)
 
-    def propose(self, n: int, span: int) -> Tensor:
-        """Drafter forward on rows [0, n): [n, D, V] draft logits for the D positions after the bonus."""
+    def draft_states(self, n: int, span: int) -> Tensor:
+        """Drafter forward on rows [0, n): its hidden states [n, D, H] at the D positions after the bonus."""
         dev, block = self.device, self.block_size
         lengths = self.lengths[:n]
         block_tokens = torch.full((n, block), self.mask_token_id, dtype=torch.long, device=dev)
@@ -235,7 +241,21 @@ class Engine:
             ctx_pos,
             ctx_slots,
         )
-        return self.drafter.draft_logits(hidden[:, 1 : 1 + self.max_depth], self.target.logits)
+        return hidden[:, 1 : 1 + self.max_depth]
+
+    def propose(self, n: int, span: int) -> Tensor:
+        """Drafter forward on rows [0, n): [n, D, V] draft logits for the D positions after the bonus."""
+        return self.drafter.draft_logits(self.draft_states(n, span), self.target.logits)
+
+    def propose_chain(self, n: int, span: int) -> Tensor:
+        """A DFlash2 drafter's chain on rows [0, n): [n, D] tokens its candidate selector picks left to right
+        from the bonus. The same chain at T > 0: verification samples the target at every node and accepts
+        a draft token that equals the sample, which needs no draft probabilities to be lossless."""
+        drafter = self.drafter
+        assert isinstance(drafter, DFlash2Drafter)
+        hidden = self.draft_states(n, span)
+        logits = drafter.draft_logits(hidden, self.target.logits)
+        return drafter.select(hidden, logits, self.bonus[:n]).tokens
 
     def build_tree(self, n: int, span: int) -> Tree:
         plan = self.plan(n)
@@ -248,6 +268,10 @@ class Engine:
             ctx_pos, ctx_slots = self.pending_context(n)
             self.drafter.append_context(self.ctx_features[:n, :1], ctx_pos[:, :1], ctx_slots[:, :1])
             return root_only(self.bonus[:n])
+        if isinstance(self.drafter, DFlash2Drafter):  # method dflash (__init__ refuses ddtree)
+            drafts = self.propose_chain(n, span)
+            self._mark("draft")
+            return chain(self.bonus[:n], drafts)
         draft_logits = self.propose(n, span)
         self._mark("draft")
         if self.method == "dflash":

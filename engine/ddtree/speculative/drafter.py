@@ -8,7 +8,8 @@ or causally (sliding-window layers, or every layer when the config sets `is_caus
 embedding or LM head of its own: it uses the target's.
 
 The config is read as the authors' reference (PyPI `dflash` 0.1.0, dflash/model.py, on transformers'
-Qwen3Config) reads it; tests/test_dflash_parity.py checks the two against each other.
+Qwen3Config) reads it; tests/test_dflash_parity.py checks the two against each other. DFlash2 drafters
+(convolutions and a candidate selector on top of this) are dflash2.py's; load_drafter reads both.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +94,8 @@ FOREIGN_KEYS = ("use_swa", "attention_sink_bias")
 
 @dataclass
 class DrafterConfig:
+    architecture: ClassVar[str] = "DFlashDraftModel"  # config.json's `architectures` entry
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -132,6 +136,10 @@ class DrafterConfig:
         if self.is_causal is not None:
             return self.is_causal
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    def drafter_class(self) -> type[DFlashDrafter]:
+        """The module this config builds."""
+        return DFlashDrafter
 
     def split_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number)."""
@@ -186,12 +194,8 @@ class DrafterConfig:
         DFlash keys from `dflash_config` first, then from the top level. What the reference computes and this
         drafter does not is refused, never ignored."""
         arch = cfg.get("architectures") or ["DFlashDraftModel"]
-        if arch[0] == "DFlash2DraftModel":
-            raise DrafterMismatchError(
-                "DFlash2 drafters (DFlash2DraftModel: dynamic convolutions and a candidate selector) are not supported"
-            )
-        if arch[0] != "DFlashDraftModel":
-            raise DrafterMismatchError(f"unsupported drafter architecture {arch[0]} (expected DFlashDraftModel)")
+        if arch[0] != cls.architecture:
+            raise DrafterMismatchError(f"unsupported drafter architecture {arch[0]} (expected {cls.architecture})")
         if cfg.get("hidden_act", "silu") != "silu":
             raise DrafterMismatchError(f"drafter hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         dflash = cfg.get("dflash_config") or {}
@@ -246,6 +250,7 @@ class DrafterConfig:
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
             output_multiplier=float(value("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+            **cls.architecture_fields(cfg, value),
         )
         # vLLM's all-layer override: accepted only where it says what the layers compute anyway
         if "causal" in dflash and any(out.layer_causal(i) != bool(dflash["causal"]) for i in range(layers)):
@@ -258,6 +263,12 @@ class DrafterConfig:
         except ValueError as e:
             raise DrafterMismatchError(f"drafter RoPE: {e}") from e
         return out
+
+    @classmethod
+    def architecture_fields(cls, cfg: dict, value: Callable[..., Any]) -> dict:
+        """The fields a subclass's architecture adds, read from config.json `cfg` (`value(name, default)`
+        looks in dflash_config first, then at the top level)."""
+        return {}
 
     def to_hf(self) -> dict:
         """The published z-lab layout: a Qwen3 config plus the DFlash keys."""
@@ -278,8 +289,8 @@ class DrafterConfig:
         if self.sliding_window is not None:
             cfg["use_sliding_window"] = True  # transformers' Qwen3Config drops the window without it
         cfg.update(
-            architectures=["DFlashDraftModel"],
-            auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+            architectures=[self.architecture],
+            auto_map={"AutoModel": f"dflash.{self.architecture}"},
             model_type="qwen3",
             hidden_act="silu",
             tie_word_embeddings=False,
@@ -380,12 +391,14 @@ class DrafterLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    layer_class: ClassVar[type[DrafterLayer]] = DrafterLayer
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
         # a ModuleList; declared as a list of its item type, which ModuleList (not generic) can't say
         self.layers: list[DrafterLayer] = nn.ModuleList(  # type: ignore[assignment]
-            DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)
+            self.layer_class(cfg) for _ in range(cfg.num_hidden_layers)
         )
         for i, layer in enumerate(self.layers):
             layer.sliding_window = cfg.layer_window(i)
@@ -480,6 +493,11 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         return logits
 
+    @staticmethod
+    def checkpoint_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A checkpoint's tensors under this module's names (the DFlash layout needs no renaming)."""
+        return state
+
     def append_context(
         self, ctx_features: Tensor, positions: Tensor, slots: Tensor, rows: Tensor | None = None
     ) -> None:
@@ -494,7 +512,7 @@ class DFlashDrafter(nn.Module):
 def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
     """Random weights (std 0.02 linears, unit norms) so everything runs before a drafter is trained."""
     gen = torch.Generator().manual_seed(seed)
-    drafter = DFlashDrafter(cfg)
+    drafter = cfg.drafter_class()(cfg)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
@@ -517,25 +535,6 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-def load_drafter(folder: str | Path, target: ModelConfig | None = None, dtype=None, device="cpu") -> DFlashDrafter:
-    """Load a z-lab-format drafter folder; with `target`, refuse one that does not fit it."""
-    from ..models.checkpoint import load_config, load_state_dict
-
-    cfg = DrafterConfig.from_hf(load_config(folder))
-    if target is not None:
-        cfg.check_target(target)
-    state = load_state_dict(folder, dtype=dtype)
-    with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
-    missing, unexpected = drafter.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
-        raise DrafterMismatchError(
-            f"drafter checkpoint {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    drafter.inv_freq = torch.empty(0)  # set by setup_caches
-    return drafter.to(device=device, dtype=dtype or state["fc.weight"].dtype)
 
 
 def random_drafter(target, layers: int, block_size: int = 16, seed: int = 0):

@@ -56,9 +56,14 @@ def root_only(roots: Tensor) -> Tree:
 
 def build_chain(roots: Tensor, draft_logits: Tensor) -> Tree:
     """DFlash: the argmax of every draft row as one chain of depth D."""
-    bs, d, _ = draft_logits.shape
+    return chain(roots, draft_logits.argmax(-1))
+
+
+def chain(roots: Tensor, drafts: Tensor) -> Tree:
+    """The chain root -> drafts[:, 0] -> ... -> drafts[:, D - 1] ([bs, D] tokens)."""
+    bs, d = drafts.shape
     dev = roots.device
-    tokens = torch.cat([roots[:, None], draft_logits.argmax(-1)], dim=1)
+    tokens = torch.cat([roots[:, None], drafts], dim=1)
     idx = torch.arange(d + 1, device=dev)
     return Tree(
         tokens=tokens,

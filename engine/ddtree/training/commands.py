@@ -217,11 +217,19 @@ def cmd_init_drafter(args) -> int:
     cfg = DrafterConfig.for_target(
         target_cfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=args.mask_token_id
     )
+    if args.layout == "dflash2":
+        import dataclasses
+
+        from ..speculative.dflash2 import DFlash2Config
+
+        cfg = DFlash2Config(**dataclasses.asdict(cfg))
+        if cfg.hidden_size % cfg.conv_group_size:
+            raise _usage(f"--layout dflash2 needs a hidden size divisible by {cfg.conv_group_size}")
     cfg.check_target(target_cfg)
     drafter = init_drafter(cfg, seed=args.seed).to(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     out = save_drafter(drafter, args.out)
     print(
-        f"wrote a random-init DFlash drafter ({args.layers} layers, block {args.block_size}, taps "
+        f"wrote a random-init {cfg.architecture} drafter ({args.layers} layers, block {args.block_size}, taps "
         f"{cfg.target_layer_ids}) to {out}"
     )
     return 0

@@ -13,12 +13,8 @@ from pathlib import Path
 import torch
 
 from ..models.llama import Transformer
-from ..speculative.drafter import (
-    DFlashDrafter,
-    init_drafter,
-    load_drafter,
-    save_drafter,
-)
+from ..speculative.drafter import DFlashDrafter, init_drafter, save_drafter
+from ..speculative.loading import load_drafter
 from .card import measure_acceptance, relative_to, write_model_card
 from .data import TokenData
 from .recipe import (
@@ -169,6 +165,8 @@ def train_drafter(
             if cfg.init_from_target:
                 copy_target_layers(drafter, target, cfg.init_from_target)
     dcfg = drafter.config
+    if dcfg.architecture != "DFlashDraftModel":  # the recipe has no loss for a DFlash2 selector or convolutions
+        raise ValueError(f"train-drafter trains DFlash drafters (DFlashDraftModel), not {dcfg.architecture}")
     dcfg.check_target(target.config)
     cfg.block_size, cfg.layers, cfg.taps = dcfg.block_size, dcfg.num_hidden_layers, list(dcfg.target_layer_ids)
     check_data(data, target)
