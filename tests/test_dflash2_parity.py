@@ -29,7 +29,20 @@ from ddtree.runtime.engine import Engine, SamplingParams  # noqa: E402
 from ddtree.speculative.dflash2 import DFlash2Config, DFlash2Drafter  # noqa: E402
 from ddtree.speculative.drafter import DrafterConfig, DrafterMismatchError, init_drafter, save_drafter  # noqa: E402
 from ddtree.speculative.loading import drafter_config, load_drafter  # noqa: E402
-from test_dflash_parity import ATOL, HIDDEN, LAYOUTS, MASK, ROUNDS, RTOL, TARGET_LAYERS, VOCAB, hf_target  # noqa: E402
+from test_dflash_parity import (  # noqa: E402
+    ATOL,
+    HIDDEN,
+    LAYOUTS,
+    MASK,
+    MAX_NEW,
+    ROUNDS,
+    RTOL,
+    VOCAB,
+    drafter_fields,
+    hf_target,
+    recording,
+    whole_block_rounds,
+)
 
 DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
 
@@ -38,25 +51,7 @@ def reference_drafter(seed: int, folder, scale: float, selector_scale: float, **
     """DFlash2DraftModel(config) with random weights (std `scale` matrices and base kernels, `selector_scale`
     for the selector's, norms near one), saved to `folder`."""
     torch.manual_seed(seed)
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_target_layers=TARGET_LAYERS,
-        max_position_embeddings=256,
-        block_size=6,
-    )
-    fields.update(config)
-    fields["dflash_config"] = {
-        "mask_token_id": MASK,
-        "target_layer_ids": [1, 2],
-        **DFLASH2,
-        **config.get("dflash_config", {}),
-    }
+    fields = drafter_fields(DFLASH2, **config)
     model = reference.DFlash2DraftModel(transformers.Qwen3Config(**fields)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -163,17 +158,6 @@ def hf_target_folder(tmp_path):
     return tmp_path / "target"
 
 
-def recording(fn, calls: list, take=lambda out: out):
-    """fn, keeping a copy of take(each result) in `calls`."""
-
-    def wrapped(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        calls.append(take(out).detach().clone())
-        return out
-
-    return wrapped
-
-
 def reference_generate(ref, hf, prompt, max_new_tokens):
     """dflash_generate's tokens, accepted lengths and selector picks of each round (its timer needs CUDA: the
     stats' clock is the host's here)."""
@@ -190,18 +174,7 @@ def reference_generate(ref, hf, prompt, max_new_tokens):
     return out.output_ids[0, len(prompt) :].tolist(), out.acceptance_lengths, picks
 
 
-MAX_NEW = 40
 E2E = {"full": {}, "causal": LAYOUTS["causal"], "sliding": LAYOUTS["sliding"]}
-
-
-def whole_block_rounds(prompt_len: int, block_size: int, accepted: list[int]) -> int:
-    """How many first rounds the reference drafted a whole block in (then fewer tokens than a block remain)."""
-    start, rounds = prompt_len, 0
-    for a in accepted:
-        if start + block_size > prompt_len + MAX_NEW:
-            break
-        start, rounds = start + a, rounds + 1
-    return rounds
 
 
 @pytest.mark.parametrize("seed", (1, 2))  # targets whose text has runs a drafter can hit

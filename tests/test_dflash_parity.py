@@ -71,9 +71,9 @@ def hf_target(seed: int, folder, mask_boost: float = 1.0, moe: bool = False):
     return model
 
 
-def reference_drafter(seed: int, folder, scale: float, **config):
-    """DFlashDraftModel(config) with random weights (std `scale` matrices, norms near one), saved to `folder`."""
-    torch.manual_seed(seed)
+def drafter_fields(extra_dflash: dict | None = None, **config) -> dict:
+    """The Qwen3Config fields of a 2-layer drafter for the tiny targets, with `config` over them and
+    dflash_config = {mask, taps [1, 2]} + extra_dflash + config's dflash_config."""
     fields = dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -87,8 +87,19 @@ def reference_drafter(seed: int, folder, scale: float, **config):
         block_size=6,
     )
     fields.update(config)
-    fields["dflash_config"] = {"mask_token_id": MASK, "target_layer_ids": [1, 2], **config.get("dflash_config", {})}
-    model = reference.DFlashDraftModel(transformers.Qwen3Config(**fields)).eval()
+    fields["dflash_config"] = {
+        "mask_token_id": MASK,
+        "target_layer_ids": [1, 2],
+        **(extra_dflash or {}),
+        **config.get("dflash_config", {}),
+    }
+    return fields
+
+
+def reference_drafter(seed: int, folder, scale: float, **config):
+    """DFlashDraftModel(config) with random weights (std `scale` matrices, norms near one), saved to `folder`."""
+    torch.manual_seed(seed)
+    model = reference.DFlashDraftModel(transformers.Qwen3Config(**drafter_fields(**config))).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -196,12 +207,12 @@ def test_block_logits_equal_the_reference(layout, target_pair, tmp_path):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=f"{layout}, round {r}")
 
 
-def recording(fn, calls: list):
-    """fn, keeping a copy of each result in `calls`."""
+def recording(fn, calls: list, take=lambda out: out):
+    """fn, keeping a copy of take(each result) in `calls`."""
 
     def wrapped(*args, **kwargs):
         out = fn(*args, **kwargs)
-        calls.append(out.detach().clone())
+        calls.append(take(out).detach().clone())
         return out
 
     return wrapped
