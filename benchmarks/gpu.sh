@@ -10,6 +10,9 @@
 # smollm2    SmolLM2-135M-Instruct with the shipped drafter: tokens/s and acceptance by batch size
 # serve      `ddtree serve` + `ddtree bench-serve` at 1..64 clients for ar, dflash and ddtree
 # gpu-tests  the tests marked gpu
+# first-pass (not in the default set) the first request of each new prompt length against the second:
+#            `ddtree serve` of the Qwen3-8B shape (random weights, ar and ddtree) with an empty Triton cache,
+#            one client, 16 prompts of 23..1800 tokens, two passes
 # moe        (not in the default set) mixtures of experts: the verify tax (forwards of 1..65 tokens at
 #            batch 1/8/32 against the active-expert HBM bound) and whole rounds with the budget
 #            recommendation, on Qwen3-30B-A3B and a 3-layer cut of Kimi K2.6 (random bf16 weights)
@@ -32,8 +35,9 @@ PARTS=("$@")
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
 for part in "${PARTS[@]}"; do
   case $part in
-    micro|rounds|smollm2|serve|gpu-tests|kernels|moe|quant|load) ;;
-    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests, kernels, moe, quant, load)" >&2; exit 2 ;;
+    micro|rounds|smollm2|serve|gpu-tests|kernels|moe|quant|load|first-pass) ;;
+    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests, kernels, moe, quant, load, first-pass)" >&2
+       exit 2 ;;
   esac
 done
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -139,6 +143,31 @@ except (OSError, KeyError, TypeError):
         done
         wait "$client" || true
         kill "$server" 2>/dev/null; wait "$server" || true
+      done ;;
+    first-pass)
+      mkdir -p "$OUT_DIR/first-pass"
+      # 16 prompts of different lengths (the random model's byte tokenizer: one token per character)
+      $PY -c 'import random, sys
+words = random.Random(0).choices("the of and to in is that for it as with was on be by at this are from".split(), k=4000)
+text = " ".join(words)
+for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1500, 1800):
+    print(text[:n])' > "$OUT_DIR/first-pass/prompts.txt"
+      for method in ar ddtree; do
+        log "first-pass: $method, new prompt lengths against the same ones again"
+        port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        cache=$(mktemp -d)  # a fresh pod's Triton cache: empty
+        TRITON_CACHE_DIR=$cache $PY -m ddtree serve --model random:qwen3-8b --drafter random:5 --method "$method" \
+          --budget 8 --max-batch-size 8 --kernels triton --port "$port" > "$OUT_DIR/first-pass/$method.log" 2>&1 &
+        server=$!
+        for pass in first second; do
+          $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --completions --concurrency 1 \
+            --requests-per-client 16 --max-tokens 64 --prompts-file "$OUT_DIR/first-pass/prompts.txt" --json \
+            > "$OUT_DIR/first-pass/$method-$pass.jsonl" || break
+        done
+        curl -s "http://127.0.0.1:$port/metrics" | grep -E '^ddtree_(kernel_compiles|graph_capture)' \
+          > "$OUT_DIR/first-pass/$method-metrics.txt" || true
+        kill "$server" 2>/dev/null; wait "$server" || true
+        rm -rf "$cache"
       done ;;
     gpu-tests)
       log "gpu-tests"

@@ -114,6 +114,8 @@ class ScriptedEngine:
         self.host_active = [False] * max_batch_size
         self.streams: dict[int, list[list[int]]] = {}
         self.released: list[int] = []
+        self.prefill_sizes = (512,)
+        self.pending: dict[int, tuple] = {}
         self.gate = threading.Event()
         self.gate.set()
 
@@ -131,6 +133,12 @@ class ScriptedEngine:
         self.streams[row] = rounds
         self.host_active[row], self.host_lengths[row] = True, len(prompt)
         return tokens[0]
+
+    def begin(self, row, prompt, params):
+        self.pending[row] = (prompt, params)
+
+    def prefill(self, row, budget):
+        return self.add(row, *self.pending.pop(row))
 
     def step(self, n):
         self.gate.wait(10)

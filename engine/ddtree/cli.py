@@ -240,6 +240,13 @@ def add_serve_commands(subparsers) -> None:
         "--max-seq-len", type=int, default=UNSET, help="per-request context: prompt + max_tokens (default 2048)"
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=UNSET,
+        help="prompt tokens per prefill forward and per scheduler iteration, a power of two (default 2048): "
+        "long prompts are prefilled in chunks between the running requests' rounds",
+    )
+    p.add_argument(
         "--max-waiting", type=int, default=UNSET, help="queued requests beyond the rows before 429 (default 4 x rows)"
     )
     p.add_argument("--served-model-name", default=UNSET, help="model name in the API (default: the --model value)")

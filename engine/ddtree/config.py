@@ -9,7 +9,8 @@ file value). The file uses the field names of the dataclasses, one section per d
     speculation: {method, budget, block_size}
     kernels:     {backend, graphs, batch_buckets}
     parallel:    {tensor_parallel, expert_parallel, replicate_drafter}
-    serving:     {host, port, max_batch_size, max_seq_len, max_waiting, served_model_name, termination_log,
+    serving:     {host, port, max_batch_size, max_seq_len, prefill_chunk, max_waiting, served_model_name,
+                  termination_log,
                   api_key_file, parse_special_tokens, max_connections, header_timeout, body_timeout,
                   keepalive_timeout}
 
@@ -94,6 +95,9 @@ class ServingConfig:
     port: int = 8000
     max_batch_size: int = 8  # serve's engine rows (generate runs 1, smoke its largest batch bucket)
     max_seq_len: int | None = None  # KV cache per sequence (default 2048; generate: prompt + max new tokens)
+    # the most prompt tokens one prefill forward takes, and what a scheduler iteration prefills between two
+    # rounds: a long prompt goes in chunks, so running streams keep getting tokens while it is admitted
+    prefill_chunk: int = 2048
     max_waiting: int | None = None  # queued requests beyond the rows before 429 (default 4 x rows)
     served_model_name: str | None = None  # model name in the API (default: model.id)
     termination_log: str | None = None  # failure reason file (default /dev/termination-log when present)
@@ -145,6 +149,7 @@ FLAGS = {
     "port": "serving.port",
     "max_batch_size": "serving.max_batch_size",
     "max_seq_len": "serving.max_seq_len",
+    "prefill_chunk": "serving.prefill_chunk",
     "max_waiting": "serving.max_waiting",
     "served_model_name": "serving.served_model_name",
     "termination_log": "serving.termination_log",
@@ -376,6 +381,8 @@ class EngineConfig:
             raise ConfigError(f"{n('serving.max_batch_size')} must be >= 1, got {v.max_batch_size}")
         if v.max_seq_len is not None and v.max_seq_len < 16:
             raise ConfigError(f"{n('serving.max_seq_len')} must be >= 16, got {v.max_seq_len}")
+        if v.prefill_chunk < 16 or v.prefill_chunk & (v.prefill_chunk - 1):
+            raise ConfigError(f"{n('serving.prefill_chunk')} must be a power of two >= 16, got {v.prefill_chunk}")
         if not 0 <= v.port <= 65535:
             raise ConfigError(f"{n('serving.port')} must be in 0..65535, got {v.port}")
         if v.max_waiting is not None and v.max_waiting < 0:

@@ -192,12 +192,26 @@ def load_models(
     return Loaded(target, drafter, tokenizer, how)
 
 
-def make_engine(target, drafter, speculation: SpeculationConfig, *, max_batch_size: int, max_seq_len: int):
+def make_engine(
+    target,
+    drafter,
+    speculation: SpeculationConfig,
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    prefill_chunk: int | None = None,
+):
     """The Engine of loaded models: the one place engines are constructed from settings."""
-    from .engine import Engine
+    from .engine import PREFILL_CHUNK, Engine
 
     return Engine(
-        target, drafter, speculation.method, speculation.budget, max_batch_size=max_batch_size, max_seq_len=max_seq_len
+        target,
+        drafter,
+        speculation.method,
+        speculation.budget,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        prefill_chunk=prefill_chunk or PREFILL_CHUNK,
     )
 
 
@@ -220,5 +234,6 @@ def build_engine(
         config.speculation,
         max_batch_size=max_batch_size or config.serving.max_batch_size,
         max_seq_len=max_seq_len or config.serving.seq_len,
+        prefill_chunk=config.serving.prefill_chunk,
     )
     return engine, loaded.tokenizer

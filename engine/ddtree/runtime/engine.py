@@ -3,10 +3,14 @@ DFlash2 drafter's selector chain) and `ddtree` (verify the top-B prefix tree). T
 the tree differs, and plain decoding is the root-only tree.
 
 The engine owns `max_batch_size` rows (a batch row: one running request and its row of the KV caches).
-A request joins a free row with an eager prefill (`add`) and leaves it between rounds (`release`), so a
-scheduler can batch continuously. A round (`step`) runs on rows [0, n) under the round plan of n rows
-(plan.py: whether it drafts, its budget and widths) and only reads and writes persistent per-row
-buffers, in place:
+A request joins a free row (`begin`), is prefilled eagerly in chunks (`prefill`, or all at once: `add`) and
+leaves between rounds (`release`), so a scheduler can batch continuously and interleave a long prompt's
+chunks with the running requests' rounds. A prefill forward runs at one of a few fixed token counts (up to
+`prefill_chunk`: prefill_sizes) and attention spans (the graphs' span buckets), which `warm_up` runs once at
+start-up, so that no request meets a kernel shape for the first time.
+
+A round (`step`) runs on rows [0, n) under the round plan of n rows (plan.py: whether it drafts, its
+budget and widths) and only reads and writes persistent per-row buffers, in place:
   draft   drafter appends the pending context features, runs [bonus, MASK...] -> D draft rows
   tree    root-only / chain / top-B tree, flattened to N = tree size nodes per sequence
   verify  one target forward over the N nodes: slots L..L+N-1, positions L + depth, ancestor mask
@@ -32,12 +36,31 @@ from ..speculative.drafter import DFlashDrafter, DrafterMismatchError
 from ..speculative.tree import Tree, build_chain, chain, root_only
 from ..speculative.verify import decide, tree_mask, walk
 from .fused import tree_builder, use_backend, use_drafter_backend
+from .graphs import default_span_buckets
 from .plan import RoundPlan, check_budget, needs_drafter, round_plans, round_sizes
 
 if TYPE_CHECKING:
     from .graphs import RoundGraphs
 
 METHODS = ("ar", "dflash", "ddtree")
+PREFILL_CHUNK = 2048  # the most prompt tokens one prefill forward takes (serving.prefill_chunk)
+SMALLEST_PREFILL = 16
+
+
+PREFILL_STEP = 128  # above this, prefill sizes grow by this much, not doubling: padding wastes < 128 tokens
+
+
+def prefill_sizes(largest: int) -> tuple[int, ...]:
+    """The token counts a prefill forward runs at, so that prompts of every length meet the same few
+    kernel shapes: powers of two from 16 to 128, then multiples of 128 up to `largest` (a chunk of r
+    tokens is padded to the smallest that holds it)."""
+    if largest < SMALLEST_PREFILL or largest & (largest - 1):
+        raise ValueError(f"prefill chunk must be a power of two >= {SMALLEST_PREFILL}, got {largest}")
+    sizes, size = [], SMALLEST_PREFILL
+    while size <= largest:
+        sizes.append(size)
+        size = size * 2 if size < PREFILL_STEP else size + PREFILL_STEP
+    return tuple(sizes)
 
 
 @dataclass
@@ -47,6 +70,15 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Prefill:
+    """A row's prompt while it is being prefilled, chunk by chunk."""
+
+    prompt: list[int]
+    params: SamplingParams
+    done: int = 0  # prompt tokens already in the caches
 
 
 @dataclass
@@ -77,6 +109,7 @@ class Engine:
         budget: int | dict[int, int] | None = None,
         max_batch_size: int = 1,
         max_seq_len: int = 2048,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         if method not in METHODS:
             raise ValueError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
@@ -103,11 +136,18 @@ class Engine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # room past the committed text for the tree (target) and the block (drafter)
         self.max_slots = max_seq_len + max(self.tree_size, block)
+        self.prefill_sizes = prefill_sizes(prefill_chunk)
+        self.span_buckets = default_span_buckets(self.max_slots)  # a prefill's attention spans
+        self.prefills: dict[int, Prefill] = {}  # rows whose prompt is not all in the caches yet
+        self.warm_up_seconds = 0.0
         if target.backend == "reference":  # a target straight from its family: fused GEMMs at least
             use_backend(target, "torch")
         self.build_ddtree = tree_builder(target.backend)  # the Triton heap or the tensorised build
         target.setup_caches(max_batch_size, self.max_slots)
         self.device = dev = target.lm_head.weight.device
+        # pad prefill chunks to the fixed sizes where kernels are compiled per shape (CUDA: Triton, CUDA
+        # graphs, cuBLAS selection); on the CPU nothing is, and padding would only add work
+        self.fixed_prefill_shapes = dev.type == "cuda"
         if self.drafter is not None:
             self.drafter.setup_caches(max_batch_size, self.max_slots)
             use_drafter_backend(self.drafter, target.backend)  # the target's choice holds for both
@@ -142,8 +182,106 @@ class Engine:
 
     @torch.inference_mode()
     def add(self, row: int, prompt: list[int], params: SamplingParams) -> int:
-        """Prefill `prompt` into batch row `row` (eager) and return its first token."""
-        return self.add_many([row], [prompt], params)[0]
+        """Prefill `prompt` into batch row `row` (eager, in chunks) and return its first token."""
+        self.begin(row, prompt, params)
+        first = self.prefill(row, len(prompt))
+        assert first is not None
+        return first
+
+    def begin(self, row: int, prompt: list[int], params: SamplingParams) -> None:
+        """Claim row `row` for `prompt` (checked here: a ValueError refuses it). The row stays out of the
+        rounds (inactive) until `prefill` has put the whole prompt in the caches."""
+        self.check_request(prompt, params)
+        self.release(row)
+        self.prefills[row] = Prefill(list(prompt), params)
+
+    @torch.inference_mode()
+    def prefill(self, row: int, budget: int) -> int | None:
+        """Prefill up to `budget` more prompt tokens of row `row` (at least one chunk); return the first
+        generated token once the whole prompt is in, else None.
+
+        Between chunks the row takes part in rounds as an inactive row: its length is the prefilled count,
+        so the tree and block a round writes for it land past the prompt's prefilled part, where the next
+        chunk (or, past the prompt, nothing that is ever shown) overwrites them."""
+        job = self.prefills[row]
+        hidden, used, budget = None, 0, max(1, budget)
+        while job.done < len(job.prompt) and used < budget:
+            take = min(len(job.prompt) - job.done, self.prefill_sizes[-1], budget - used)
+            hidden = self._prefill_chunk(row, job.prompt[job.done : job.done + take], job.done)
+            job.done += take
+            used += take
+            self.lengths[row] = job.done
+            self.host_lengths[row] = job.done
+        if job.done < len(job.prompt):
+            return None
+        del self.prefills[row]
+        assert hidden is not None
+        return self._start(row, job, hidden)
+
+    def prefill_span(self, start: int, tokens: int) -> int:
+        """Cache slots a prefill chunk of `tokens` (padded) tokens at `start` attends over: a span bucket."""
+        need = min(start + tokens, self.max_slots)
+        return next(s for s in self.span_buckets if s >= need)
+
+    def _padded(self, tokens: int) -> int:
+        return next(s for s in self.prefill_sizes if s >= tokens)
+
+    def _prefill_chunk(self, row: int, chunk: list[int], start: int) -> Tensor:
+        """One prefill forward of `chunk` (padded to a prefill size; padding writes to the trash slot and no
+        mask shows it) at positions start.. of row `row`; returns the last real token's hidden state."""
+        dev, r = self.device, len(chunk)
+        size = self._padded(r) if self.fixed_prefill_shapes else r
+        span = self.prefill_span(start, size) if self.fixed_prefill_shapes else start + r
+        tokens = torch.tensor([chunk + [0] * (size - r)], device=dev)
+        j = torch.arange(size, device=dev)
+        positions = (start + j)[None]
+        real = j < r
+        slots = torch.where(real, start + j, self.target.trash_slot)[None]
+        mask = (torch.arange(span, device=dev)[None, :] <= (start + j)[:, None]).view(1, 1, size, span)
+        rows = torch.tensor([row], device=dev)
+        hidden, taps = self.target(tokens, positions, slots, mask, self.tap_layers, logits=False, rows=rows)
+        if self.drafter is not None:
+            ctx_slots = torch.where(real, start + j, self.drafter.max_slots)[None]
+            self.drafter.append_context(taps, positions, ctx_slots, rows=rows)
+        return hidden[0, r - 1]
+
+    def _start(self, row: int, job: Prefill, hidden: Tensor) -> int:
+        """Activate a prefilled row: its first token from the prompt's last hidden state."""
+        params, n = job.params, len(job.prompt)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        self.lengths[row] = n
+        self.ctx_count[row] = 0
+        self.active[row] = True
+        self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
+        self.host_lengths[row] = n
+        self.host_sampling[row] = params.temperature > 0
+        self.host_active[row] = True
+        logits = self.target.logits(hidden.view(1, 1, -1))
+        index = slice(row, row + 1)
+        first = decide(logits, self.temperature[index], self.top_p[index], self.generator, params.temperature > 0)
+        self.bonus[row] = first[0, 0]
+        return int(first[0, 0])
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Run every prefill shape a request can meet (each prefill size at each span bucket it reaches, and
+        the first-token step greedy and sampling) once on row 0, so that kernels are compiled and selected
+        at start-up, not in a request's time to first token. Must run while no request is active; returns
+        the seconds it took."""
+        start = time.perf_counter()
+        for size in self.prefill_sizes:
+            for span in self.span_buckets:
+                at = max(0, span - size)
+                real = min(size, self.max_seq_len - at)  # a chunk's tokens never pass the context
+                if real > 0 and self._padded(real) == size and self.prefill_span(at, size) == span:
+                    self._prefill_chunk(0, [0] * real, at)
+        for temperature in (0.0, 1.0):
+            self._start(0, Prefill([0], SamplingParams(temperature=temperature)), self._prefill_chunk(0, [0], 0))
+        self.release(0)
+        self.warm_up_seconds = time.perf_counter() - start
+        return self.warm_up_seconds
 
     @torch.inference_mode()
     def add_many(self, rows: list[int], prompts: list[list[int]], params: SamplingParams) -> list[int]:
@@ -183,6 +321,7 @@ class Engine:
         return first[:, 0].tolist()
 
     def release(self, row: int) -> None:
+        self.prefills.pop(row, None)
         self.active[row] = False
         self.lengths[row] = 0  # idle rows stay at length 0, inside every attention span
         self.host_sampling[row] = False
@@ -349,9 +488,11 @@ class Engine:
         sampling: tuple[bool, ...] = (False,),
         fallback: bool = False,
     ) -> float:
-        """Capture CUDA graphs of whole rounds (see graphs.py); returns the capture time in seconds."""
+        """Run the prefill shapes once (`warm_up`), then capture CUDA graphs of whole rounds (see graphs.py);
+        returns the capture time in seconds."""
         from .graphs import RoundGraphs
 
+        self.warm_up()
         buckets = batch_buckets or [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= self.max_batch_size]
         self.graphs = RoundGraphs(self, buckets, span_buckets, fallback)
         return self.graphs.capture(sampling)

@@ -8,7 +8,7 @@ build and walk run identically everywhere, with no extra communication. The draf
 the same way (or, with replicate_drafter, run whole on every rank).
 
 Serving (`ddtree serve --tensor-parallel N`): rank 0 runs the HTTP server and the scheduler on a `Leader`,
-which broadcasts every engine call (add / step / release / capture_graphs / smoke) to the other ranks
+which broadcasts every engine call (begin / prefill / step / release / capture_graphs / smoke) to the other ranks
 before making it locally; ranks 1..N-1 `follow`: they replay those calls, in the same order, on their
 shard. Same calls in the same order means the same sampling generator state on every rank, so sampled
 trees and walks also agree without communication.
@@ -260,7 +260,7 @@ class RankFailure(Exception):
     but after this one every later collective would hang or fail, so its engine thread must stop."""
 
 
-ENGINE_CALLS = ("add", "add_many", "step", "release", "capture_graphs", "smoke")
+ENGINE_CALLS = ("add", "add_many", "begin", "prefill", "step", "release", "warm_up", "capture_graphs", "smoke")
 
 
 def command_group():
@@ -298,8 +298,17 @@ class Leader:
     def add_many(self, rows: list[int], prompts: list[list[int]], params) -> list[int]:
         return self._call("add_many", list(rows), [list(p) for p in prompts], params)
 
+    def begin(self, row: int, prompt: list[int], params) -> None:
+        return self._call("begin", row, list(prompt), params)
+
+    def prefill(self, row: int, budget: int) -> int | None:
+        return self._call("prefill", row, budget)
+
     def step(self, n: int) -> list[list[int]]:
         return self._call("step", n)
+
+    def warm_up(self) -> float:
+        return self._call("warm_up")
 
     def release(self, row: int) -> None:
         if self.failed is not None:  # local bookkeeping only: nobody is listening any more

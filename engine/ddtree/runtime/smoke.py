@@ -4,7 +4,9 @@ For every batch size it runs fixed prompts through the engine's fast path (captu
 GPU; on CPU the same batched rounds without graphs) and compares with an eager reference that runs
 each prompt alone under the same round plan (budget): committed tokens must be identical and the
 target's first-round logits (the root node's maximum logit) must agree within a stated tolerance. It
-also checks that rounds accept tokens (acceptance length >= a floor) and that no eager fallback happened.
+also checks that rounds accept tokens (acceptance length >= a floor), that no eager fallback happened and,
+with graphs, that the fast path compiled no kernel: every prefill and round shape was run at start-up
+(`Engine.warm_up`, graph capture), so a compile here would be a stall in some request's time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import compiles
 from .engine import Engine, SamplingParams
 
 FAULTS = ("corrupt-graph-input",)
@@ -29,6 +32,7 @@ class SmokeReport:
     capture_seconds: float = 0.0
     mismatches: list[dict] = field(default_factory=list)
     fallbacks: int = 0
+    compiled: list[str] = field(default_factory=list)  # kernels the fast path compiled (graphs only)
     acceptance_length: float = 0.0
     mode: str = "eager"
     batch_sizes: list[int] = field(default_factory=list)
@@ -129,36 +133,37 @@ def run_smoke(
     fallbacks_before = graphs.fallbacks if graphs else 0
     accepted_all = []
     try:
-        for b in batch_sizes:
-            batch = [prompts[i % len(prompts)] for i in range(b)]
-            tokens, first, accepted = _run(engine, batch, max_new_tokens)
-            accepted_all += accepted
-            reference = references[engine.plan(b).budget]
-            for i, got in enumerate(tokens):
-                ref_tokens, ref_first = reference[i % len(prompts)]
-                if got != ref_tokens:
-                    pos = next(k for k, (a, c) in enumerate(zip(ref_tokens, got)) if a != c)
-                    report.mismatches.append(
-                        {
-                            "batch": b,
-                            "prompt": i % len(prompts),
-                            "kind": "tokens",
-                            "position": pos,
-                            "expected": ref_tokens[pos],
-                            "got": got[pos],
-                        }
-                    )
-                diff = abs(first[i].item() - ref_first.item())
-                if not diff <= tol["atol"] + tol["rtol"] * abs(ref_first.item()):
-                    report.mismatches.append(
-                        {
-                            "batch": b,
-                            "prompt": i % len(prompts),
-                            "kind": "logits",
-                            "expected": round(ref_first.item(), 4),
-                            "got": round(first[i].item(), 4),
-                        }
-                    )
+        with compiles.recording() as compiled:
+            for b in batch_sizes:
+                batch = [prompts[i % len(prompts)] for i in range(b)]
+                tokens, first, accepted = _run(engine, batch, max_new_tokens)
+                accepted_all += accepted
+                reference = references[engine.plan(b).budget]
+                for i, got in enumerate(tokens):
+                    ref_tokens, ref_first = reference[i % len(prompts)]
+                    if got != ref_tokens:
+                        pos = next(k for k, (a, c) in enumerate(zip(ref_tokens, got)) if a != c)
+                        report.mismatches.append(
+                            {
+                                "batch": b,
+                                "prompt": i % len(prompts),
+                                "kind": "tokens",
+                                "position": pos,
+                                "expected": ref_tokens[pos],
+                                "got": got[pos],
+                            }
+                        )
+                    diff = abs(first[i].item() - ref_first.item())
+                    if not diff <= tol["atol"] + tol["rtol"] * abs(ref_first.item()):
+                        report.mismatches.append(
+                            {
+                                "batch": b,
+                                "prompt": i % len(prompts),
+                                "kind": "logits",
+                                "expected": round(ref_first.item(), 4),
+                                "got": round(first[i].item(), 4),
+                            }
+                        )
     finally:
         if fault == "corrupt-graph-input":
             if graphs:
@@ -166,6 +171,7 @@ def run_smoke(
             target.inv_freq = restore
 
     report.fallbacks = (graphs.fallbacks - fallbacks_before) if graphs else 0
+    report.compiled = compiled if graphs else []
     report.acceptance_length = sum(accepted_all) / max(1, len(accepted_all))
     eager_fast_path = graphs is not None and engine.eager_rounds != eager_before
     if report.mismatches:
@@ -181,6 +187,11 @@ def run_smoke(
         )
     elif report.fallbacks or eager_fast_path:
         report.reason = f"smoke test failed: {report.fallbacks or 'some'} round(s) fell back to eager execution"
+    elif report.compiled:
+        report.reason = (
+            f"smoke test failed: {len(report.compiled)} kernel(s) compiled on the fast path, outside the shapes "
+            f"run at start-up; first: {report.compiled[0]}"
+        )
     elif not math.isfinite(report.acceptance_length) or report.acceptance_length < min_acceptance:
         report.reason = (
             f"smoke test failed: acceptance length {report.acceptance_length:.3f} below the minimum {min_acceptance}"

@@ -188,8 +188,10 @@ class EngineServer:
             self.report = report
             self._fail(report.reason)
             return
+        from ..runtime import compiles
         from .scheduler import Scheduler
 
+        compiles.on_compile(self._kernel_compiled)
         for row in range(engine.max_batch_size):
             engine.release(row)
         from .prompts import PromptEncoder
@@ -212,6 +214,10 @@ class EngineServer:
             engine.max_batch_size,
             engine.max_seq_len,
         )
+
+    def _kernel_compiled(self, kernel: str) -> None:
+        self.metrics.kernel_compiles.inc()
+        log.warning("kernel compiled while serving (a request shape start-up did not run): %s", kernel[:300])
 
     def _fail(self, reason: str) -> None:
         self.phase, self.reason, self.exit_code = "failed", reason, 1

@@ -95,6 +95,10 @@ class ServerMetrics:
         self.requests_waiting = gauge("ddtree_requests_waiting", "Requests queued for an engine row")
         self.smoke_test_passed = gauge("ddtree_smoke_test_passed", "1 once the start-up smoke test passed")
         self.graph_capture_seconds = gauge("ddtree_graph_capture_seconds", "Time spent capturing CUDA graphs")
+        self.kernel_compiles = counter(
+            "ddtree_kernel_compiles",
+            "Triton kernels compiled after the smoke test passed: request shapes start-up did not run (a stall each)",
+        ).labels(model=model)
         self.spec_budget = gauge("ddtree_spec_budget", "DDTree node budget B (0 for ar)")
         self.kv_cache_usage_ratio = gauge(
             "ddtree_kv_cache_usage_ratio", "Committed tokens of running requests / (max_batch_size x max_seq_len)"
@@ -121,7 +125,7 @@ class ServerMetrics:
             "ddtree_engine_step_seconds", "Time inside engine.step per round", ROUND_BUCKETS
         )
         self.prefill_seconds = histogram(
-            "ddtree_prefill_seconds", "Time inside engine.add (prefill) per request", LATENCY_BUCKETS
+            "ddtree_prefill_seconds", "Time inside engine.prefill per request (all its chunks)", LATENCY_BUCKETS
         )
         self.scheduler_iteration_seconds = histogram(
             "ddtree_scheduler_iteration_seconds",

@@ -2,11 +2,14 @@
 
 One engine thread owns the Engine. Each iteration it
   1. drops cancelled requests (a disconnected client frees its row between rounds),
-  2. admits waiting requests into free rows, lowest row first (eager prefill: `engine.add`),
-  3. runs one round on rows [0, n), n = highest running row + 1 (`engine.step`),
-  4. truncates each request's tokens at stop tokens, stop strings and max_tokens, detokenizes
+  2. admits waiting requests into free rows, lowest row first (`engine.begin`),
+  3. prefills at most one chunk's worth of prompt tokens (`engine.prefill`, prefill_chunk tokens, oldest
+     admitted request first); a request whose prompt is all in gets its first token and starts running,
+  4. runs one round on rows [0, n), n = highest running row + 1 (`engine.step`),
+  5. truncates each request's tokens at stop tokens, stop strings and max_tokens, detokenizes
      incrementally and hands the new text to the request's sink,
-  5. releases finished rows.
+  6. releases finished rows.
+So a long prompt costs the running requests one chunk's forward per round, not a whole prefill.
 Requests join and leave only between rounds. The sink is called on the engine thread; the server
 passes one that forwards to an asyncio queue with `loop.call_soon_threadsafe`, so that the event
 loop never waits on torch.
@@ -109,6 +112,8 @@ class Request:
         self.cancelled = False
         self.arrival = time.perf_counter()
         self.row: int | None = None  # the engine row while admitted
+        self.prefilled = 0  # prompt tokens in the engine's caches
+        self.prefill_seconds = 0.0  # time inside engine.prefill, all chunks
         self.token_ids: list[int] = []
         self.text = ""  # complete text so far (cut at a stop string)
         self.sent = 0  # characters of self.text already handed to the sink
@@ -137,6 +142,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # engine row -> request; engine thread only
+        self._prefilling: dict[int, Request] = {}  # engine row -> request whose prompt is going in, oldest first
+        self.prefill_budget = engine.prefill_sizes[-1]  # prompt tokens prefilled per iteration
         self._free = engine.max_batch_size  # rows not claimed by a request (guarded by _cv)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -188,7 +195,8 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Requests holding an engine row (generating, or having their prompt prefilled)."""
+        return len(self._running) + len(self._prefilling)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -211,16 +219,17 @@ class Scheduler:
     def _loop(self) -> None:
         engine = self.engine
         while True:
-            for req in [r for r in self._running.values() if r.cancelled]:
+            for req in [r for r in (*self._running.values(), *self._prefilling.values()) if r.cancelled]:
                 self._finish(req, None)
             with self._cv:
-                if not (self._stopping or self._waiting or self._running):
+                if not (self._stopping or self._waiting or self.running):
                     self._update_gauges()
-                while not (self._stopping or self._waiting or self._running):
+                while not (self._stopping or self._waiting or self.running):
                     self._cv.wait()
                 if self._stopping:
                     return
-                free = [row for row in range(engine.max_batch_size) if row not in self._running]
+                taken = self._running.keys() | self._prefilling.keys()
+                free = [row for row in range(engine.max_batch_size) if row not in taken]
                 admits = []
                 while free and self._waiting:
                     req = self._waiting.popleft()
@@ -234,8 +243,9 @@ class Scheduler:
                     self._finish(req, None)
                 else:
                     self._admit(req.row, req)
-            self.metrics.requests_running.set(len(self._running))
-            busy = bool(admits or self._running)
+            self._prefill()
+            self.metrics.requests_running.set(self.running)
+            busy = bool(admits or self.running)
             if self._running:
                 self._round()
             if busy:
@@ -244,31 +254,48 @@ class Scheduler:
 
     def _update_gauges(self) -> None:
         engine = self.engine
-        self.metrics.requests_running.set(len(self._running))
-        used = sum(engine.host_lengths[row] for row in self._running)
+        self.metrics.requests_running.set(self.running)
+        used = sum(engine.host_lengths[row] for row in (*self._running, *self._prefilling))
         self.metrics.kv_cache_usage_ratio.set(used / (engine.max_batch_size * engine.max_seq_len))
 
     def _admit(self, row: int, req: Request) -> None:
-        t0 = time.perf_counter()
         try:
-            first = self.engine.add(row, req.prompt_ids, req.params)
+            self.engine.begin(row, req.prompt_ids, req.params)
         except ValueError as exc:  # validated by the server already; kept as a safety net
             self.engine.release(row)
             self._error(req, 400, str(exc))
             return
-        except RuntimeError as exc:  # out of memory during the prefill, and friends: refuse, keep serving
-            self.engine.release(row)
-            log.warning("prefill failed: %s", exc)
-            self._error(req, 503, f"prefill failed: {type(exc).__name__}: {exc}")
-            _empty_cache(self.engine)
-            return
-        now = time.perf_counter()
-        self.metrics.prefill_seconds.observe(now - t0)
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        self.metrics.time_to_first_token.observe(now - req.arrival)
-        req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
-        self._running[row] = req
-        self._deliver(req, [first], now, first=True)
+        self._prefilling[row] = req
+
+    def _prefill(self) -> None:
+        """Prefill up to prefill_budget prompt tokens, oldest admitted request first; requests whose prompt
+        is all in start running with their first token."""
+        budget = self.prefill_budget
+        for row, req in list(self._prefilling.items()):
+            if budget <= 0:
+                break
+            take = min(len(req.prompt_ids) - req.prefilled, budget)
+            t0 = time.perf_counter()
+            try:
+                first = self.engine.prefill(row, take)
+            except RuntimeError as exc:  # out of memory during the prefill, and friends: refuse, keep serving
+                log.warning("prefill failed: %s", exc)
+                self._error(req, 503, f"prefill failed: {type(exc).__name__}: {exc}")
+                _empty_cache(self.engine)
+                continue
+            now = time.perf_counter()
+            req.prefilled += take
+            req.prefill_seconds += now - t0
+            budget -= take
+            if first is None:
+                continue
+            del self._prefilling[row]
+            self.metrics.prefill_seconds.observe(req.prefill_seconds)
+            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+            self.metrics.time_to_first_token.observe(now - req.arrival)
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+            self._running[row] = req
+            self._deliver(req, [first], now, first=True)
 
     def _round(self) -> None:
         engine, m = self.engine, self.metrics
@@ -348,9 +375,10 @@ class Scheduler:
         row, req.row = req.row, None
         if row is None:
             return
-        if self._running.get(row) is req:
-            self.engine.release(row)
-            del self._running[row]
+        for rows in (self._running, self._prefilling):
+            if rows.get(row) is req:
+                self.engine.release(row)
+                del rows[row]
         with self._cv:
             self._free += 1
 
@@ -361,7 +389,7 @@ class Scheduler:
     def _fail_all(self, status: int, message: str) -> None:
         with self._cv:
             waiting, self._waiting = list(self._waiting), deque()
-        for req in list(self._running.values()) + waiting:
+        for req in [*self._running.values(), *self._prefilling.values(), *waiting]:
             if not req.cancelled:
                 self._error(req, status, message)
             else:
