@@ -2,7 +2,7 @@
 
     python3 benchmarks/report.py RESULTS_DIR [--charts docs/images] [--markdown]
 
-Reads whatever parts are there (micro/, rounds/, smollm2/, serve/, host.json) and writes:
+Reads whatever parts are there (micro/, rounds/, smollm2/, serve/, first-pass/, host.json) and writes:
   smollm2-tokens-per-second.png  tokens/s against batch size for ar, dflash and ddtree (best budget)
   rounds-by-budget.png           round time against budget by batch size, ar and dflash as references
   serve-tokens-per-second.png    output tokens/s against concurrent clients behind `ddtree serve`
@@ -34,6 +34,21 @@ def load(results: Path) -> dict:
             serve[method] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if serve:
         data["serve"] = serve
+    # first-pass/: gpu.sh's output, or one folder per commit compared (each with its host.json)
+    first = results / "first-pass"
+    runs = {}
+    for folder in [first, *sorted(p for p in first.glob("*") if p.is_dir())]:
+        passes = {}
+        for method in ("ar", "ddtree"):
+            for which in ("first", "second"):
+                path = folder / f"{method}-{which}.jsonl"
+                if path.is_file() and path.stat().st_size:
+                    passes[(method, which)] = json.loads(path.read_text().splitlines()[0])
+        if passes:
+            host = folder / "host.json"
+            runs[json.loads(host.read_text())["commit"] if host.is_file() else folder.name] = passes
+    if runs:
+        data["first_pass"] = runs
     # host.json: where and at which commit; a part run on its own has its own beside its output
     data["hosts"] = {}
     for part in ("", "micro", "rounds", "smollm2", "serve"):
@@ -291,6 +306,29 @@ def markdown(data: dict) -> str:
                 ["method", "clients", "output tokens/s", "acceptance", "TTFT p50 s", "TTFT p99 s", "TPOT ms", "errors"],
                 table,
             )
+        )
+    if "first_pass" in data:
+        table = []
+        for method in ("ar", "ddtree"):
+            for commit, passes in data["first_pass"].items():
+                if (method, "first") not in passes or (method, "second") not in passes:
+                    continue
+                first, second = passes[(method, "first")], passes[(method, "second")]
+                ratio = round(first["output_tokens_per_s"] / second["output_tokens_per_s"], 2)
+                for which, r in (("first", first), ("second", second)):
+                    table.append(
+                        [
+                            f"`{method}`",
+                            f"`{commit}`",
+                            which,
+                            r["output_tokens_per_s"],
+                            ratio if which == "first" else "",
+                            f"{round(1e3 * r['ttft_p50_s'])} / {round(1e3 * r['ttft_p99_s'])}",
+                        ]
+                    )
+        out.append("first pass over new prompt lengths against the second:")
+        out.append(
+            _table(["method", "commit", "pass", "output tokens/s", "first / second", "TTFT p50 / p99 (ms)"], table)
         )
     return "\n\n".join(out) + "\n"
 
