@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from .config import KERNEL_CHOICES, SMOKE_FAULTS, KernelConfig, UsageError
+from .config import KERNEL_CHOICES, SMOKE_FAULTS, TOOL_CALL_PARSERS, KernelConfig, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -281,6 +281,18 @@ def add_serve_commands(subparsers) -> None:
         action="store_true",
         default=UNSET,
         help="tokenize control-token text in prompts as control tokens (default: as plain text; trusted clients only)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=UNSET,
+        help="how tool calls are read from the generated text (default auto: from the chat template)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=UNSET,
+        help="most top tokens a request may ask log-probabilities for (default 20; 0 refuses logprobs)",
     )
     p.add_argument("--max-connections", type=int, default=UNSET, help="open client connections (default 1024)")
     p.add_argument(

@@ -10,9 +10,9 @@ file value). The file uses the field names of the dataclasses, one section per d
     kernels:     {backend, graphs, batch_buckets}
     parallel:    {tensor_parallel, expert_parallel, replicate_drafter}
     serving:     {host, port, max_batch_size, max_seq_len, prefill_chunk, max_waiting, served_model_name,
-                  termination_log,
-                  api_key_file, parse_special_tokens, max_connections, header_timeout, body_timeout,
-                  keepalive_timeout}
+                  termination_log, api_key_file, parse_special_tokens, tool_call_parser, max_logprobs,
+                  max_connections,
+                  header_timeout, body_timeout, keepalive_timeout}
 
 Defaults and validation live here; a bad value raises `ConfigError`, one line naming the field (the flag
 when it came from the command line, `section.field` otherwise). docs/engine.md, "Configuration", lists
@@ -29,6 +29,7 @@ from typing import Any
 
 METHODS = ("ar", "dflash", "ddtree")
 KERNEL_CHOICES = ("auto", "torch", "triton")
+TOOL_CALL_PARSERS = ("auto", "hermes", "kimi_k2", "none")  # ddtree.serving.tools.FORMATS, auto and none
 DTYPE_NAMES = {
     "float32": "float32",
     "fp32": "float32",
@@ -105,6 +106,11 @@ class ServingConfig:
     # control-token text in prompts and messages (`<|im_start|>`) is tokenized as plain text unless set:
     # only for deployments whose every client is trusted to write the model's control tokens
     parse_special_tokens: bool = False
+    # how tool calls are read from the generated text: hermes, kimi_k2, none, or auto (from the chat template)
+    tool_call_parser: str = "auto"
+    # the most top tokens a request may ask log-probabilities for; 0 refuses logprobs and saves keeping the
+    # accepted path's logits every round
+    max_logprobs: int = 20
     max_connections: int = 1024  # open client connections; beyond it a connection gets 503 and is closed
     header_timeout: float = 30.0  # seconds from a request's first byte to the end of its headers
     body_timeout: float = 60.0  # seconds to receive a request's body once its headers are in
@@ -155,6 +161,8 @@ FLAGS = {
     "termination_log": "serving.termination_log",
     "api_key_file": "serving.api_key_file",
     "parse_special_tokens": "serving.parse_special_tokens",
+    "tool_call_parser": "serving.tool_call_parser",
+    "max_logprobs": "serving.max_logprobs",
     "max_connections": "serving.max_connections",
     "header_timeout": "serving.header_timeout",
     "body_timeout": "serving.body_timeout",
@@ -389,6 +397,13 @@ class EngineConfig:
             raise ConfigError(f"{n('serving.max_waiting')} must be >= 0, got {v.max_waiting}")
         if v.served_model_name is not None and not v.served_model_name.strip():
             raise ConfigError(f"{n('serving.served_model_name')} must not be empty")
+        if not 0 <= v.max_logprobs <= 1000:
+            raise ConfigError(f"{n('serving.max_logprobs')} must be in 0..1000, got {v.max_logprobs}")
+        if v.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(
+                f"{n('serving.tool_call_parser')} must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got '{v.tool_call_parser}'"
+            )
         if v.max_connections < 1:
             raise ConfigError(f"{n('serving.max_connections')} must be >= 1, got {v.max_connections}")
         for timeout in ("header_timeout", "body_timeout", "keepalive_timeout"):

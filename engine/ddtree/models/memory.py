@@ -20,14 +20,15 @@ rank, the bytes the engine allocates and says whether they fit:
 - workspace: what one round allocates on top, an estimate for the largest batch: the verify logits
   (max_batch x (budget + 1) x vocab, in the engine's dtype; twice over under tensor parallelism, the
   all-gather's buffer and its reordered copy), the sampling path's fp32 / int64 copies of them, the
-  drafter's block logits and their fp32 log-probabilities, the staged drafter context, and one layer's
+  drafter's block logits and their fp32 log-probabilities, the staged drafter context, the accepted
+  path's logits kept for log-probabilities (max_batch x (depth + 1) x vocab), and one layer's
   attention scores over the cache span (fp32-sized score and probability matrices: the bound of an
   unfused attention; the Triton split-K partials are of the same order).
 - reserve: RESERVE_BYTES (3 GiB), an estimate of what no tensor of the engine accounts for: the CUDA
   context, NCCL's buffers, the CUDA graph pool's slack and allocator fragmentation.
 
-Not counted: the eager prefill's activations (a P-token prompt builds a P x P mask and P x P attention
-scores per head: long prompts need far more than a round), and load-time transients (the fused modules
+Not counted: the prefill's activations (a chunk of C tokens at span S builds a C x S mask and C x S
+attention scores per head: long prompts need far more than a round), and load-time transients (the fused modules
 concatenate one layer's weights at a time).
 
 Quantized checkpoints (`quantization_config`, parsed by quant_config.parse_quantization) are counted as
@@ -629,6 +630,7 @@ def plan_memory(
             "sampling": b * tree * vocab * SAMPLING_BYTES_PER_LOGIT,
             "draft logits": int(b * depth * vocab * (size * gathered + 4)),  # + fp32 log-probabilities
             "drafter context": b * (depth + 1) * taps * target.hidden_size * size,  # Engine.ctx_features
+            "logprob rows": b * (depth + 1) * vocab * size,  # Engine.path_logits (serving.max_logprobs > 0)
             "attention": b * target.heads * tree * slots * ATTENTION_BYTES_PER_SCORE,
         }
         if drafts:

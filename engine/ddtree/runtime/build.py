@@ -200,6 +200,7 @@ def make_engine(
     max_batch_size: int,
     max_seq_len: int,
     prefill_chunk: int | None = None,
+    logprobs: bool = False,
 ):
     """The Engine of loaded models: the one place engines are constructed from settings."""
     from .engine import PREFILL_CHUNK, Engine
@@ -212,6 +213,7 @@ def make_engine(
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
         prefill_chunk=prefill_chunk or PREFILL_CHUNK,
+        logprobs=logprobs,
     )
 
 
@@ -235,5 +237,6 @@ def build_engine(
         max_batch_size=max_batch_size or config.serving.max_batch_size,
         max_seq_len=max_seq_len or config.serving.seq_len,
         prefill_chunk=config.serving.prefill_chunk,
+        logprobs=config.serving.max_logprobs > 0,
     )
     return engine, loaded.tokenizer

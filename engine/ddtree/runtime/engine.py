@@ -110,6 +110,7 @@ class Engine:
         max_batch_size: int = 1,
         max_seq_len: int = 2048,
         prefill_chunk: int = PREFILL_CHUNK,
+        logprobs: bool = False,
     ):
         if method not in METHODS:
             raise ValueError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
@@ -168,6 +169,10 @@ class Engine:
         # round output: [accepted, emitted tokens (max_depth + 1)]
         self.readout = torch.zeros(b, self.max_depth + 2, dtype=torch.long, device=dev)
         self.node_max_logit = torch.zeros(b, self.tree_size, device=dev)
+        # with logprobs: the target's logits at the nodes of the last accepted path (each emitted token's
+        # distribution), copied in the round so that `token_logprobs` can read them after the sync
+        vocab = target.config.vocab_size
+        self.path_logits = torch.zeros(b, self.max_depth + 1, vocab, dtype=dtype, device=dev) if logprobs else None
         self.graphs: RoundGraphs | None = None  # once capture_graphs() ran
         self.last_plan: RoundPlan | None = None  # the plan of the last round step() ran
         self.eager_rounds = 0
@@ -259,6 +264,8 @@ class Engine:
         self.host_sampling[row] = params.temperature > 0
         self.host_active[row] = True
         logits = self.target.logits(hidden.view(1, 1, -1))
+        if self.path_logits is not None:
+            self.path_logits[row, 0].copy_(logits[0, 0, : self.path_logits.shape[-1]])
         index = slice(row, row + 1)
         first = decide(logits, self.temperature[index], self.top_p[index], self.generator, params.temperature > 0)
         self.bonus[row] = first[0, 0]
@@ -319,6 +326,19 @@ class Engine:
         first = decide(logits, self.temperature[index], self.top_p[index], self.generator, params.temperature > 0)
         self.bonus[index] = first[:, 0]
         return first[:, 0].tolist()
+
+    def token_logprobs(self, row: int, tokens: list[int], top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Log-probabilities, under the target's distribution (before temperature and top-p), of the tokens
+        row `row` emitted in its last round (or its first token, right after the prefill), each with the
+        `top` most likely tokens and theirs. Needs an engine made with logprobs=True."""
+        if self.path_logits is None:
+            raise ValueError("this engine keeps no log-probabilities (made without logprobs)")
+        logprobs = self.path_logits[row, : len(tokens)].float().log_softmax(-1)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=self.device)[:, None])[:, 0].tolist()
+        if not top:
+            return [(lp, []) for lp in chosen]
+        values, ids = logprobs.topk(top, dim=-1)
+        return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
     def release(self, row: int) -> None:
         self.prefills.pop(row, None)
@@ -434,6 +454,9 @@ class Engine:
         decisions = decide(logits, self.temperature[:n], self.top_p[:n], self.generator, sampling)
         self._mark("verify")
         w = walk(tree, decisions, self.max_depth)
+        if self.path_logits is not None:
+            path = w.path[..., None].expand(-1, -1, logits.shape[-1])
+            self.path_logits[:n].copy_(torch.gather(logits, 1, path)[..., : self.path_logits.shape[-1]])
         if self.max_depth > 0 and tree.size > 1:
             steps = torch.arange(self.max_depth + 1, device=dev)
             self.target.compact(lengths[:, None] + w.path, lengths[:, None] + steps)

@@ -43,8 +43,9 @@ if TYPE_CHECKING:
     from .connections import ConnectionGuard
     from .prompts import PromptEncoder
     from .scheduler import Scheduler
+    from .tools import ToolCallFormat, ToolRequest
 from .auth import OPEN_PREFIXES, authorized
-from .protocol import COMPLETION_PATHS, APIError, Sampling, bad_request
+from .protocol import COMPLETION_PATHS, APIError, Sampling, bad_request, chat_logprobs, completion_logprobs
 
 log = logging.getLogger("ddtree.server")
 
@@ -107,6 +108,8 @@ class EngineServer:
         self.report: SmokeReport | None = None
         self.engine: Any = None  # the Engine, or its parallel.Leader under tensor parallelism
         self.prompts: PromptEncoder | None = None  # used on the preparation thread only
+        self.tool_format: ToolCallFormat | None = None  # how tool calls are read from the generated text
+        self.tool_markers_special = False
         self.scheduler: Scheduler | None = None
         # body decoding and tokenizing: one thread, at most `preparing_limit` requests queued or running
         self.preparation = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-prepare")
@@ -188,20 +191,10 @@ class EngineServer:
             self.report = report
             self._fail(report.reason)
             return
-        from ..runtime import compiles
-        from .scheduler import Scheduler
-
-        compiles.on_compile(self._kernel_compiled)
         for row in range(engine.max_batch_size):
             engine.release(row)
-        from .prompts import PromptEncoder
-
-        self.engine, self.report = engine, report
-        self.prompts = PromptEncoder(tokenizer, config.serving.seq_len, config.serving.parse_special_tokens)
-        self.stop_token_ids = stop_ids(tokenizer, target)
-        # decoding happens on the engine thread: give it its own tokenizer instance
-        self.scheduler = Scheduler(engine, copy.deepcopy(tokenizer), self.metrics, config.serving.waiting_limit)
-        self.scheduler.start()
+        self.report = report
+        self.start_serving(engine, tokenizer, stop_ids(tokenizer, target))
         self.metrics.smoke_test_passed.set(1)
         self.reason = report.reason
         self.phase = "ready"
@@ -218,6 +211,26 @@ class EngineServer:
     def _kernel_compiled(self, kernel: str) -> None:
         self.metrics.kernel_compiles.inc()
         log.warning("kernel compiled while serving (a request shape start-up did not run): %s", kernel[:300])
+
+    def start_serving(self, engine, tokenizer, stop_token_ids: tuple[int, ...]) -> None:
+        """Take requests on a loaded engine: prompt preparation, the tool-call format, the scheduler."""
+        from ..runtime import compiles
+        from .prompts import PromptEncoder
+        from .scheduler import Scheduler
+        from .tools import tool_call_format
+
+        serving = self.config.serving
+        self.engine, self.stop_token_ids = engine, stop_token_ids
+        self.prompts = PromptEncoder(tokenizer, serving.seq_len, serving.parse_special_tokens)
+        self.tool_format = tool_call_format(serving.tool_call_parser, tokenizer)
+        # markers that are special tokens (Kimi's) are only text when decoding keeps special tokens
+        self.tool_markers_special = self.tool_format is not None and bool(
+            set(self.tool_format.markers) & set(self.prompts.control)
+        )
+        # decoding happens on the engine thread: give it its own tokenizer instance
+        self.scheduler = Scheduler(engine, copy.deepcopy(tokenizer), self.metrics, serving.waiting_limit)
+        compiles.on_compile(self._kernel_compiled)
+        self.scheduler.start()
 
     def _fail(self, reason: str) -> None:
         self.phase, self.reason, self.exit_code = "failed", reason, 1
@@ -452,8 +465,12 @@ class EngineServer:
         body = await self._body(request)
         if self.phase != "ready":
             raise APIError(503, f"the server is not ready ({self.phase}); poll /ready", code="not_ready")
-        s = Sampling(body, chat, self.engine.budget)
-        prompt = await self.prepare(self.prompts.chat if chat else self.prompts.completion, body)
+        s = Sampling(body, chat, self.engine.budget, self.config.serving.max_logprobs)
+        if chat:
+            prompt, tools = await self.prepare(self._prepare_chat, body)
+        else:
+            prompt, tools = await self.prepare(self.prompts.completion, body), None
+        reads_calls = tools is not None and tools.rendered is not None  # tools rendered: calls parsed back
         limit = self.config.serving.seq_len
         if len(prompt) >= limit:
             raise bad_request(
@@ -490,7 +507,14 @@ class EngineServer:
             except RuntimeError:  # the event loop is closed (shutting down): nobody is listening
                 pass
 
-        req = Request(prompt, params, s.stop, sink)
+        req = Request(
+            prompt,
+            params,
+            s.stop,
+            sink,
+            skip_special_tokens=not (reads_calls and self.tool_markers_special),
+            logprobs=s.logprobs,
+        )
         try:
             self.scheduler.submit(req)
         except QueueFull as exc:
@@ -499,38 +523,63 @@ class EngineServer:
             raise APIError(503, str(exc), code="not_running") from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         try:
+            calls = tools if reads_calls else None
             if s.stream:
-                return await self._stream(request, req, queue, rid, chat, s.include_usage)
-            return await self._collect(req, queue, rid, chat)
+                return await self._stream(request, req, queue, rid, chat, s.include_usage, calls)
+            return await self._collect(req, queue, rid, chat, calls)
         finally:
             if req.finish_reason is None:
                 self.scheduler.cancel(req)
+
+    def _prepare_chat(self, body: dict) -> tuple[list[int], ToolRequest]:
+        """Token ids and tool request of a chat body (on the preparation thread)."""
+        from .tools import ToolRequest
+
+        tools = ToolRequest.from_body(body)
+        if tools.rendered and self.prompts.renders_tools and self.tool_format is None:
+            raise bad_request(
+                "this server reads no tool calls from this model's output: its chat template has no tool-call "
+                "format this server knows (start it with --tool-call-parser hermes or kimi_k2 if the model "
+                'writes one of those), or send "tool_choice": "none"',
+                "tools",
+            )
+        return self.prompts.chat(body, tools.rendered), tools
 
     def _usage(self, req, completion_tokens: int) -> dict:
         p = len(req.prompt_ids)
         return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
-    async def _collect(self, req, queue, rid: str, chat: bool):
+    async def _collect(self, req, queue, rid: str, chat: bool, tools: ToolRequest | None = None):
+        """The whole response; `tools`: the request's, when tool calls are read from the text."""
         from aiohttp import web
 
-        parts = []
+        from .tools import split_tool_calls
+
+        parts: list[str] = []
+        entries: list = []  # TokenLogprob
         while True:
             ev = await queue.get()
             if ev.error is not None:
                 raise APIError(ev.error_status, ev.error)
             parts.append(ev.text)
+            entries += ev.logprobs or []
             if ev.finish_reason is not None:
                 break
         text = "".join(parts)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = chat_logprobs(entries) if chat else completion_logprobs(entries, 0)
+        finish = ev.finish_reason
         if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": ev.finish_reason,
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tools is not None:
+                message["content"], calls = split_tool_calls(self.tool_format, text, tools.parallel)
+                if calls:
+                    message["tool_calls"] = [call.to_json() for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return web.json_response(
             {
                 "id": rid,
@@ -542,18 +591,34 @@ class EngineServer:
             }
         )
 
-    async def _stream(self, request, req, queue, rid: str, chat: bool, include_usage: bool):
+    async def _stream(
+        self, request, req, queue, rid: str, chat: bool, include_usage: bool, tools: ToolRequest | None = None
+    ):
+        """Server-sent events; `tools`: the request's, when tool calls are read from the text (content
+        streams as it comes, each call as `tool_calls` deltas once it is complete)."""
         from aiohttp import web
+
+        from .tools import ToolCallSplitter, tool_call_deltas
 
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        splitter = ToolCallSplitter(self.tool_format, tools.parallel) if tools is not None else None
+        pending: list = []  # log-probabilities of tokens no chunk has carried yet
+        offset = 0  # completions: characters of the completion the chunks' log-probabilities covered
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> dict:
+        def chunk(text: str | None, finish: str | None = None, delta: dict | None = None) -> dict:
+            nonlocal offset
+            logprobs = None
+            if pending:
+                logprobs = chat_logprobs(pending) if chat else completion_logprobs(pending, offset)
+                offset += sum(len(e.token) for e in pending)
+                pending.clear()
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                if delta is None:
+                    delta = {"content": text} if text else {}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             out = {"id": rid, "object": obj, "created": created, "model": self.name, "choices": [choice]}
             if include_usage:
                 out["usage"] = None
@@ -568,17 +633,31 @@ class EngineServer:
                 await resp.write(b"data: " + json.dumps(obj_, ensure_ascii=False).encode() + b"\n\n")
 
             if chat:
-                await send(chunk(None, role=True))
+                await send(chunk(None, delta={"role": "assistant", "content": ""}))
             while True:
                 ev = await queue.get()
                 if ev.error is not None:
                     request["ddtree_status"] = ev.error_status
                     await send(APIError(ev.error_status, ev.error).body())
                     break
-                if ev.text:
-                    await send(chunk(ev.text))
-                if ev.finish_reason is not None:
-                    await send(chunk(None, ev.finish_reason))
+                finish = ev.finish_reason
+                pending.extend(ev.logprobs or [])
+                if splitter is None:
+                    if ev.text:
+                        await send(chunk(ev.text))
+                else:
+                    sent = len(splitter.calls)
+                    for item in splitter.feed(ev.text, final=finish is not None):
+                        if isinstance(item, str):
+                            await send(chunk(item))
+                            continue
+                        for delta in tool_call_deltas(sent, item):
+                            await send(chunk(None, delta=delta))
+                        sent += 1
+                    if splitter.calls and finish == "stop":
+                        finish = "tool_calls"
+                if finish is not None:
+                    await send(chunk(None, finish))
                     if include_usage:
                         await send(
                             {

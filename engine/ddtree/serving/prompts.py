@@ -18,6 +18,15 @@ MAX_JSON_DEPTH = 64  # deeper bodies are refused; OpenAI's own requests nest a f
 # allows this factor over the longest-token bound so that it never refuses a prompt that would fit.
 NORMALIZER_SLACK = 2
 UNKNOWN_LONGEST_TOKEN = 1024  # characters, when a tokenizer cannot list its vocabulary
+# rendered once at start-up to learn whether the chat template writes tools into the prompt
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def decode_body(raw: bytes) -> dict:
@@ -94,6 +103,7 @@ class PromptEncoder:
         self.max_chars = context * longest_token_chars(tokenizer) * NORMALIZER_SLACK
         self.control = control_tokens(tokenizer)
         self.splits_control = self._splits_control()
+        self.renders_tools = self._renders_tools()
 
     def _splits_control(self) -> bool:
         """Whether the tokenizer can take control-token text as plain text (`split_special_tokens`)."""
@@ -145,37 +155,74 @@ class PromptEncoder:
 
     # ---- chat ---------------------------------------------------------------------------------
 
-    def chat(self, body: dict) -> list[int]:
+    def chat(self, body: dict, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the chat; `tools` are the tools the template renders (ToolRequest.rendered)."""
         messages = chat_messages(body)
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions")
-        self.check_size(sum(len(m["content"]) for m in messages), "messages")
+        if tools and not self.renders_tools:
+            raise bad_request(
+                "this model's chat template does not render tools, so this server cannot take 'tools' for it "
+                '(send no tools, or "tool_choice": "none")',
+                "tools",
+            )
+        tools_text = json.dumps(tools, ensure_ascii=False) if tools else ""
+        calls_text = json.dumps(
+            [{k: v for k, v in m.items() if k not in ("role", "content")} for m in messages], ensure_ascii=False
+        )
+        self.check_size(sum(len(m["content"]) for m in messages) + len(tools_text) + len(calls_text), "messages")
+        if not self.parse_special_tokens:
+            for text, param in ((tools_text, "tools"), (calls_text, "messages")):
+                if found := self._control_text(text):
+                    raise bad_request(
+                        f"'{param}' holds the control token {found!r} outside a message's content, where it "
+                        "cannot be taken as plain text; remove it",
+                        param,
+                    )
         if self.parse_special_tokens or not any(self._control_text(m["content"]) for m in messages):
-            ids = self._template(messages, tokenize=True)
+            ids = self._template(messages, tools, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return list(ids)
-        return self._chat_with_control_text(messages)
+        return self._chat_with_control_text(messages, tools)
 
-    def _template(self, messages: list[dict], tokenize: bool):
+    def _template(self, messages: list[dict], tools: list[dict] | None, tokenize: bool):
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=tokenize
+            )
         except APIError:
             raise
         except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
             raise bad_request(f"chat template failed: {exc}", "messages") from None
 
-    def _chat_with_control_text(self, messages: list[dict]) -> list[int]:
-        """Some message holds control-token text. The template is rendered around a unique mark per
-        message; its text is tokenized with control tokens, each message's text as plain text. Only when
+    def _renders_tools(self) -> bool:
+        """Whether the chat template writes `tools` into the prompt: a template without tool support
+        ignores them and renders the same text."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return False
+        messages = [{"role": "user", "content": "Hi"}]
+        try:
+            plain = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            with_tools = self.tokenizer.apply_chat_template(
+                messages, tools=[PROBE_TOOL], add_generation_prompt=True, tokenize=False
+            )
+        except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+            return False
+        return with_tools != plain
+
+    def _chat_with_control_text(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """Some message holds control-token text. The template is rendered with a unique mark in place of
+        each message's text; its text is tokenized with control tokens, each message's text as plain text. Only when
         the template copies every message verbatim (putting the texts back gives exactly the normal
         rendering) is the result the same prompt; otherwise the request is refused."""
         nonce = secrets.token_hex(8)
-        marks = {f"\ue000{nonce}:{i}\ue001": m["content"] for i, m in enumerate(messages)}
-        marked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
-        rendered = self._template(marked, tokenize=False)
+        mark_of = {i: f"\ue000{nonce}:{i}\ue001" for i, m in enumerate(messages) if m["content"]}
+        marks = {mark_of[i]: messages[i]["content"] for i in mark_of}
+        marked = [{**m, "content": mark_of[i]} if i in mark_of else m for i, m in enumerate(messages)]
+        rendered = self._template(marked, tools, tokenize=False)
         pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
-        if "".join(marks.get(p, p) for p in pieces) != self._template(messages, tokenize=False):
+        if "".join(marks.get(p, p) for p in pieces) != self._template(messages, tools, tokenize=False):
             raise bad_request(
                 "a message holds control-token text and this model's chat template does not copy messages "
                 "verbatim, so it cannot be taken as plain text; remove the control tokens",

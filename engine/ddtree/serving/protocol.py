@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -19,6 +20,11 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
+}
+# the refusals that say more than "not supported"
+REFUSALS = {
+    "functions": "'functions' (the legacy form of 'tools') is not supported: send 'tools'",
+    "tools": "'tools' is only taken by /v1/chat/completions, whose chat template renders them",
 }
 
 
@@ -85,33 +91,36 @@ def get_bool(body: dict, key: str, default: bool = False) -> bool:
 def refuse_unsupported(body: dict, chat: bool) -> None:
     """Fields we cannot honour are refused rather than silently ignored (their neutral values pass)."""
     neutral: dict[str, tuple] = {
-        "logprobs": (None, False, 0),
-        "top_logprobs": (None, 0),
         "echo": (None, False),
         "best_of": (None, 1),
         "presence_penalty": (None, 0, 0.0),
         "frequency_penalty": (None, 0, 0.0),
         "suffix": (None, ""),
-        "tools": (None, []),
         "functions": (None, []),
         "logit_bias": (None, {}),
     }
+    if not chat:
+        neutral["tools"] = (None, [])
     for key, ok in neutral.items():
         v = body.get(key)
         if isinstance(v, (list, dict)):
             if v:
-                raise bad_request(f"'{key}' is not supported by this server", key)
+                raise bad_request(REFUSALS.get(key, f"'{key}' is not supported by this server"), key)
         elif not any(v is o or (type(v) is type(o) and v == o) for o in ok):
-            raise bad_request(f"'{key}' is not supported by this server", key)
+            raise bad_request(REFUSALS.get(key, f"'{key}' is not supported by this server"), key)
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("'response_format' other than text is not supported", "response_format")
+        raise bad_request(
+            '\'response_format\' other than {"type": "text"} is not supported by this server: it has no '
+            "constrained decoding (JSON mode, JSON schemas)",
+            "response_format",
+        )
 
 
 class Sampling:
     """The validated generation fields of a request (prompt and max_tokens default aside)."""
 
-    def __init__(self, body: dict, chat: bool, engine_budget: int):
+    def __init__(self, body: dict, chat: bool, engine_budget: int, max_logprobs: int = 0):
         self.max_tokens = get_int(
             body, "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
         )
@@ -150,6 +159,7 @@ class Sampling:
             raise bad_request("'stream_options' must be an object", "stream_options")
         self.include_usage = get_bool(opts or {}, "include_usage")
         self.ignore_eos = get_bool(body, "ignore_eos")  # extension (as in vLLM): for benchmarks
+        self.logprobs = requested_logprobs(body, chat, max_logprobs)
         budget = get_int(body, "budget")
         if budget is not None and budget != engine_budget:
             raise bad_request(
@@ -158,7 +168,54 @@ class Sampling:
         refuse_unsupported(body, chat)
 
 
+def requested_logprobs(body: dict, chat: bool, max_logprobs: int) -> int | None:
+    """How many top tokens to return with each completion token's log-probability, or None for no
+    log-probabilities: chat's `logprobs: true` with `top_logprobs`, completions' `logprobs: N`."""
+    if chat:
+        wanted = get_bool(body, "logprobs")
+        top = get_int(body, "top_logprobs")
+        if top is not None and not wanted:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        key, top = "top_logprobs", (top or 0) if wanted else None
+    else:
+        key, top = "logprobs", get_int(body, "logprobs")
+    if top is None:
+        return None
+    if max_logprobs == 0:
+        raise bad_request("this server returns no log-probabilities (it was started with --max-logprobs 0)", key)
+    if not 0 <= top <= max_logprobs:
+        raise bad_request(f"'{key}' must be in 0..{max_logprobs}, got {top}", key)
+    return top
+
+
+def chat_logprobs(entries) -> dict:
+    """OpenAI's chat `logprobs` object of scheduler TokenLogprob entries."""
+
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "surrogatepass"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries]}
+
+
+def completion_logprobs(entries, offset: int) -> dict:
+    """OpenAI's (legacy) completions `logprobs` object of TokenLogprob entries, whose text starts at
+    character `offset` of the completion."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
 def chat_messages(body: dict) -> list[dict]:
+    """The messages as the chat template takes them: text content; an assistant's `tool_calls` with their
+    arguments as JSON objects (chat templates write them with `tojson`); a tool result's `tool_call_id`
+    (required, as in OpenAI's API) and `name`."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -180,5 +237,45 @@ def chat_messages(body: dict) -> list[dict]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise bad_request(f"messages[{i}].tool_call_id must be the id of the tool call it answers", "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+            if m.get("name") is not None:
+                if not isinstance(m["name"], str):
+                    raise bad_request(f"messages[{i}].name must be a string", "messages")
+                message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}'
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list of {shape}", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("id"), str)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+        ):
+            raise bad_request(f"messages[{i}].tool_calls[{j}] must be {shape}", "messages")
+        try:
+            arguments = json.loads(function["arguments"])
+        except (ValueError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise bad_request(
+                f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object, as text", "messages"
+            )
+        out.append(
+            {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        )
     return out

@@ -52,6 +52,17 @@ class Event:
     finish_reason: str | None = None  # "stop" | "length" once finished
     error: str | None = None  # set (with error_status) when the request failed
     error_status: int = 500
+    # with logprobs: one entry per completion token since the last event (TokenLogprob)
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class TokenLogprob:
+    """A completion token's text and log-probability, with the most likely tokens at its position."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
 
 
 class IncrementalDetokenizer:
@@ -62,8 +73,8 @@ class IncrementalDetokenizer:
     few prompt tokens seed the window so that tokenizers whose pieces depend on the previous token
     (SentencePiece leading spaces) decode the first generated token correctly."""
 
-    def __init__(self, tokenizer, context: Sequence[int] = ()):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         ctx = list(context[-4:])
         if ctx and self._decode(ctx).endswith("\ufffd"):
             ctx = []
@@ -72,7 +83,9 @@ class IncrementalDetokenizer:
         self.read = len(ctx)  # tokens up to here are already in the output
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def push(self, token: int) -> str:
         self.ids.append(token)
@@ -100,9 +113,18 @@ class Request:
     """One generation request as the scheduler sees it."""
 
     def __init__(
-        self, prompt_ids: list[int], params: SamplingParams, stop: list[str] | None, sink: Callable[[Event], None]
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: list[str] | None,
+        sink: Callable[[Event], None],
+        skip_special_tokens: bool = True,  # off: special tokens are text too (tool-call markers of some models)
+        logprobs: int | None = None,  # log-probabilities of the completion tokens, with this many top tokens
     ):
         self.id = next(_ids)
+        self.logprobs = logprobs
+        self.pending_logprobs: list[TokenLogprob] = []  # of the tokens being delivered
+        self.skip_special_tokens = skip_special_tokens
         self.prompt_ids = prompt_ids
         self.params = params
         self.stop_token_ids = frozenset(params.stop_token_ids)
@@ -290,10 +312,11 @@ class Scheduler:
             if first is None:
                 continue
             del self._prefilling[row]
+            self._logprobs(row, req, [first])
             self.metrics.prefill_seconds.observe(req.prefill_seconds)
             self.metrics.prompt_tokens.inc(len(req.prompt_ids))
             self.metrics.time_to_first_token.observe(now - req.arrival)
-            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.skip_special_tokens)
             self._running[row] = req
             self._deliver(req, [first], now, first=True)
 
@@ -320,8 +343,18 @@ class Scheduler:
             toks = out[row]
             accepted += max(0, len(toks) - 1)
             m.acceptance_length.observe(len(toks))
+            self._logprobs(row, req, toks)
             self._deliver(req, toks, now)
         m.num_accepted_tokens.inc(accepted)
+
+    def _logprobs(self, row: int, req: Request, toks: list[int]) -> None:
+        """Stage the log-probabilities of the tokens row `row` just emitted (before the next round overwrites
+        them), for requests that asked; tokens past max_tokens are cut with them in _deliver."""
+        if req.logprobs is None or not toks:
+            return
+        decode = self.tokenizer.decode
+        for t, (lp, top) in zip(toks, self.engine.token_logprobs(row, toks, req.logprobs)):
+            req.pending_logprobs.append(TokenLogprob(decode([t]), lp, [(decode([i]), v) for i, v in top]))
 
     def _append_text(self, req: Request, piece: str) -> bool:
         """Add decoded text; True when a stop string completed (the text is then cut before it)."""
@@ -353,6 +386,9 @@ class Scheduler:
         if finish is not None and not by_string and self._append_text(req, req.detok.flush()):
             finish = "stop"
         new = len(req.token_ids) - before
+        logprobs = None
+        if req.logprobs is not None:  # the entries of the tokens kept (toks may run past max_tokens or a stop)
+            logprobs, req.pending_logprobs = req.pending_logprobs[:new], []
         m = self.metrics
         m.generation_tokens.inc(new)
         if not first and new:
@@ -366,9 +402,9 @@ class Scheduler:
         if finish:
             m.request_latency.observe(now - req.arrival)
             self._finish(req, finish)
-            req.sink(Event(delta, len(req.token_ids), finish))
-        elif delta:
-            req.sink(Event(delta, len(req.token_ids)))
+            req.sink(Event(delta, len(req.token_ids), finish, logprobs=logprobs))
+        elif delta or logprobs:
+            req.sink(Event(delta, len(req.token_ids), logprobs=logprobs))
 
     def _finish(self, req: Request, reason: str | None) -> None:
         req.finish_reason = reason or "cancelled"
