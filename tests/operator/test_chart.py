@@ -1,12 +1,13 @@
 """The Helm chart: lint, schema-validated values, least-privilege RBAC, what the operator Deployment runs."""
 
+import json
 import os
 import subprocess
 
 import pytest
 import yaml
 
-from kube_testbed import BIN_DIR, CHART, missing
+from kube_testbed import BIN_DIR, CHART, OPERATOR_NAMESPACE, OPERATOR_SA, missing
 
 
 @pytest.fixture(scope="module")
@@ -17,19 +18,52 @@ def helm() -> str:
     return str(path)
 
 
-def template(helm: str, *args: str) -> list[dict]:
-    result = subprocess.run(
-        [helm, "template", "ddtree", str(CHART), "--namespace", "ddtree-system", *args],
+RBAC_GROUP = "rbac.authorization.k8s.io"
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+NAMESPACED = ("--set", "operator.watchNamespaces={llm,research}")
+
+
+def render(helm: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [helm, "template", "ddtree", str(CHART), "--namespace", OPERATOR_NAMESPACE, *args],
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def template(helm: str, *args: str) -> list[dict]:
+    result = render(helm, *args)
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
-def test_helm_lint_is_clean(helm):
-    result = subprocess.run([helm, "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=60)
+def operator_container(docs: list[dict]) -> dict:
+    return next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+def engine_defaults(helm: str, *args: str) -> dict:
+    env = {e["name"]: e["value"] for e in operator_container(template(helm, *args))["env"]}
+    return json.loads(env["DDTREE_ENGINE_DEFAULTS"])
+
+
+def granted(rules: list[dict]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+@pytest.mark.parametrize(
+    "values",
+    [(), NAMESPACED, ("--set", "dashboards.enabled=true", "--set", "alerts.enabled=true")],
+    ids=["default", "namespaced", "dashboards-and-alerts"],
+)
+def test_helm_lint_is_clean(helm, values):
+    result = subprocess.run([helm, "lint", "--strict", str(CHART), *values], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
 
@@ -37,7 +71,9 @@ def test_helm_lint_is_clean(helm):
 def test_renders_the_expected_objects(helm):
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in template(helm))
     assert kinds == [
+        ("ClusterRole", "ddtree-edit"),
         ("ClusterRole", "ddtree-operator"),
+        ("ClusterRole", "ddtree-view"),
         ("ClusterRoleBinding", "ddtree-operator"),
         ("CustomResourceDefinition", "speculativedeployments.ddtree.dev"),
         ("Deployment", "ddtree-operator"),
@@ -77,14 +113,154 @@ def test_hub_endpoint_is_the_operators_hf_endpoint(helm):
     assert {"name": "HF_ENDPOINT", "value": mirror} in env("--set", f"operator.hubEndpoint={mirror}")
 
 
-def test_values_schema_rejects_typos(helm):
-    result = subprocess.run(
-        [helm, "template", "ddtree", str(CHART), "--set", "operator.logLevl=debug"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+@pytest.mark.parametrize(
+    "value, named",
+    [
+        ("operator.logLevl=debug", "logLevl"),
+        ("engine.podLabel.team=llm", "podLabel"),
+        ("alerts.acceptance.minLenght=2", "minLenght"),
+        ("engine.image.digest=0123abcd", "digest"),
+        ("autoscaling.provider=hpa", "provider"),
+        ("engine.cache.sizeLimit=lots", "sizeLimit"),
+    ],
+)
+def test_values_schema_rejects_typos_and_bad_values(helm, value, named):
+    result = render(helm, "--set", value)
+    assert result.returncode != 0 and named in result.stderr, result.stderr
+
+
+def test_values_schema_accepts_helms_global_values(helm):
+    """A parent chart's `global:` reaches this chart's values as a subchart: it must validate."""
+    docs = template(helm, "--set", "global.imageRegistry=reg.example", "--set", "global.team=llm")
+    assert any(d["kind"] == "Deployment" for d in docs)
+
+
+def test_engine_defaults_by_default(helm):
+    assert engine_defaults(helm) == {"nodeGpus": 8, "autoscalingProvider": "prometheus-adapter"}
+
+
+def test_engine_defaults_carry_every_engine_pod_setting(helm):
+    engine = {
+        "imagePullSecrets": [{"name": "regcred"}],
+        "serviceAccountName": "llm-engine",
+        "podLabels": {"team": "llm", "cost-center": "42"},
+        "podAnnotations": {"sidecar.istio.io/inject": "false"},
+        "priorityClassName": "inference-high",
+        "cache": {"sizeLimit": "100Gi"},
+        "nodeGpus": 4,
+    }
+    values = ("--set-json", f"engine={json.dumps(engine)}", "--set", "autoscaling.provider=keda")
+    assert engine_defaults(helm, *values) == {
+        "imagePullSecrets": [{"name": "regcred"}],
+        "serviceAccountName": "llm-engine",
+        "podLabels": {"team": "llm", "cost-center": "42"},
+        "podAnnotations": {"sidecar.istio.io/inject": "false"},
+        "priorityClassName": "inference-high",
+        "cache": {"sizeLimit": "100Gi"},
+        "nodeGpus": 4,
+        "autoscalingProvider": "keda",
+    }
+
+
+def test_engine_cache_is_an_existing_claim_or_a_sized_empty_dir_not_both(helm):
+    assert engine_defaults(helm, "--set", "engine.cache.existingClaim=model-cache")["cache"] == {
+        "claimName": "model-cache"
+    }
+    both = render(helm, "--set", "engine.cache.existingClaim=model-cache", "--set", "engine.cache.sizeLimit=10Gi")
+    assert both.returncode != 0
+    assert (
+        "engine.cache: set sizeLimit (an emptyDir) or existingClaim (a PersistentVolumeClaim), not both" in both.stderr
     )
-    assert result.returncode != 0 and "logLevl" in result.stderr
+
+
+def test_images_can_be_pinned_by_digest(helm):
+    docs = template(
+        helm,
+        "--set", f"operator.image.digest={DIGEST}",
+        "--set", "engine.image.repository=reg.example/engine",
+        "--set", "engine.image.tag=1.2",
+        "--set", f"engine.image.digest={DIGEST}",
+    )  # fmt: skip
+    container = operator_container(docs)
+    assert container["image"] == f"ddtree-operator@{DIGEST}"  # the digest wins over tag and appVersion
+    assert {"name": "DDTREE_ENGINE_IMAGE", "value": f"reg.example/engine@{DIGEST}"} in container["env"]
+
+
+def test_dashboards_and_alerts_are_opt_in(helm):
+    assert not {"ConfigMap", "PrometheusRule"} & {d["kind"] for d in template(helm)}
+
+
+def test_dashboard_config_map_for_the_grafana_sidecar(helm):
+    (config_map,) = (d for d in template(helm, "--set", "dashboards.enabled=true") if d["kind"] == "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["namespace"] == OPERATOR_NAMESPACE
+    dashboard = json.loads(config_map["data"]["speculativedeployment.json"])
+    assert dashboard["uid"] == "ddtree-speculativedeployment" and dashboard["panels"]
+    (moved,) = (
+        d
+        for d in template(
+            helm,
+            "--set",
+            "dashboards.enabled=true",
+            "--set",
+            "dashboards.label=dashboards.example/grafana",
+            "--set",
+            "dashboards.labelValue=llm",
+            "--set",
+            "dashboards.namespace=monitoring",
+            "--set",
+            "dashboards.annotations.grafana_folder=LLM",
+        )  # fmt: skip
+        if d["kind"] == "ConfigMap"
+    )
+    assert moved["metadata"]["labels"]["dashboards.example/grafana"] == "llm"
+    assert "grafana_dashboard" not in moved["metadata"]["labels"]
+    assert moved["metadata"]["namespace"] == "monitoring"
+    assert moved["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+
+
+def test_alert_thresholds_come_from_values(helm):
+    (rule,) = (
+        d
+        for d in template(
+            helm,
+            "--set",
+            "alerts.enabled=true",
+            "--set",
+            "alerts.labels.release=kube-prometheus-stack",
+            "--set",
+            "alerts.ruleLabels.team=llm",
+            "--set-json",
+            "alerts.acceptance.minLength=2.5",  # --set would pass the string "2.5"
+            "--set",
+            "alerts.acceptance.window=30m",
+            "--set-json",
+            "alerts.acceptance.minRatioToBaseline=0.5",
+            "--set",
+            "alerts.acceptance.baselineWindow=7d",
+            "--set",
+            "alerts.smokeTest.notPassedFor=2h",
+            "--set",
+            "alerts.stalled.window=10m",
+        )  # fmt: skip
+        if d["kind"] == "PrometheusRule"
+    )
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert set(alerts) == {
+        "DDTreeAcceptanceLengthLow",
+        "DDTreeAcceptanceLengthBelowBaseline",
+        "DDTreeSmokeTestNotPassed",
+        "DDTreeNoTokensWhileRequestsWait",
+    }
+    assert all(a["labels"]["team"] == "llm" for a in alerts.values())
+    low, baseline = alerts["DDTreeAcceptanceLengthLow"], alerts["DDTreeAcceptanceLengthBelowBaseline"]
+    assert "< 2.5" in low["expr"] and "[30m]" in low["expr"]
+    assert "< 0.5 * (1 + " in baseline["expr"] and "[7d]" in baseline["expr"] and "[30m]" in baseline["expr"]
+    assert alerts["DDTreeSmokeTestNotPassed"]["for"] == "2h"
+    assert "[10m]" in alerts["DDTreeNoTokensWhileRequestsWait"]["expr"]
+    # Prometheus expands these; Helm must leave them alone
+    assert "{{ $labels.job }}" in low["annotations"]["summary"]
 
 
 def test_crd_can_be_left_out(helm):
@@ -93,16 +269,79 @@ def test_crd_can_be_left_out(helm):
 
 
 def test_rbac_has_no_wildcards(helm):
-    role = next(d for d in template(helm) if d["kind"] == "ClusterRole")
-    for rule in role["rules"]:
-        for key in ("apiGroups", "resources", "verbs"):
-            assert "*" not in rule[key], rule
-    granted = {
-        (group, resource, verb)
-        for rule in role["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
+    for values in ((), NAMESPACED):
+        for role in (d for d in template(helm, *values) if d["kind"] in ("ClusterRole", "Role")):
+            for rule in role["rules"]:
+                for key in ("apiGroups", "resources", "verbs"):
+                    assert "*" not in rule[key], rule
+    role = next(d for d in template(helm) if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "ddtree-operator")
+    rules = granted(role["rules"])
+    assert ("ddtree.dev", "speculativedeployments/status", "patch") in rules
+    assert ("", "secrets", "get") not in rules  # the operator never reads Secrets
+    # kopf lists namespaces only when it watches some of them (--namespace), never with --all-namespaces
+    assert ("", "namespaces", "list") not in rules
+
+
+def test_operator_may_manage_disruption_budgets_and_autoscalers(helm):
+    role = next(d for d in template(helm) if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "ddtree-operator")
+    verbs = ("get", "list", "watch", "create", "patch", "update", "delete")
+    for group, resource in [
+        ("policy", "poddisruptionbudgets"),
+        ("autoscaling", "horizontalpodautoscalers"),
+        ("keda.sh", "scaledobjects"),
+    ]:
+        assert {(group, resource, verb) for verb in verbs} <= granted(role["rules"]), resource
+
+
+def test_namespaced_mode_grants_roles_per_watched_namespace(helm):
+    docs = template(helm, *NAMESPACED)
+    cluster_wide = template(helm)
+    operator_rules = next(
+        d["rules"] for d in cluster_wide if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "ddtree-operator"
+    )
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"llm", "research"}
+    for namespace, binding in bindings.items():
+        assert binding["roleRef"] == {"apiGroup": RBAC_GROUP, "kind": "Role", "name": "ddtree-operator"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}]
+        # everything the all-namespaces ClusterRole grants on namespaced resources, in this namespace only
+        cluster_scoped = {("apiextensions.k8s.io", "customresourcedefinitions")}
+        assert granted(roles[namespace]["rules"]) == {
+            (g, r, v) for g, r, v in granted(operator_rules) if (g, r) not in cluster_scoped
+        }
+    (operator_cluster_role,) = (
+        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "ddtree-operator"
+    )
+    # cluster-wide: only what kopf watches in --namespace mode, read-only
+    assert granted(operator_cluster_role["rules"]) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+        ("", "namespaces", "list"),
+        ("", "namespaces", "watch"),
     }
-    assert ("ddtree.dev", "speculativedeployments/status", "patch") in granted
-    assert ("", "secrets", "get") not in granted  # the operator never reads Secrets
+
+
+def test_user_roles_aggregate_into_the_builtin_roles(helm):
+    roles = {d["metadata"]["name"]: d for d in template(helm) if d["kind"] == "ClusterRole"}
+    view, edit = roles["ddtree-view"], roles["ddtree-edit"]
+    aggregate = "rbac.authorization.k8s.io/aggregate-to-"
+    assert {k for k, v in view["metadata"]["labels"].items() if k.startswith(aggregate) and v == "true"} == {
+        f"{aggregate}view"
+    }
+    assert {k for k, v in edit["metadata"]["labels"].items() if k.startswith(aggregate) and v == "true"} == {
+        f"{aggregate}edit",
+        f"{aggregate}admin",
+    }
+    read = {"get", "list", "watch"}
+    assert granted(view["rules"]) == {
+        ("ddtree.dev", resource, verb)
+        for resource in ("speculativedeployments", "speculativedeployments/status", "speculativedeployments/scale")
+        for verb in read
+    }
+    edit_rules = granted(edit["rules"])
+    assert {("ddtree.dev", "speculativedeployments", v) for v in read | {"create", "patch", "delete"}} <= edit_rules
+    assert ("ddtree.dev", "speculativedeployments/scale", "patch") in edit_rules
+    assert ("ddtree.dev", "speculativedeployments/status", "patch") not in edit_rules  # status is the operator's
+    names = {d["metadata"]["name"] for d in template(helm, "--set", "rbac.userRoles=false")}
+    assert not {"ddtree-view", "ddtree-edit"} & names
