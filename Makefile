@@ -7,12 +7,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 EXTRAS ?= engine,operator,dev
 
-.PHONY: setup test test-fast test-slow test-triton-interpreter test-operator lint format demo generate cluster-bin \
-	lint-chart clean-venv
+.PHONY: setup test test-fast test-slow test-triton-interpreter test-operator images lint format demo generate \
+	cluster-bin lint-chart clean-venv
 
 PYTEST := $(PY) -m pytest -q -ra
-# The engine's tests: everything but tests/operator (which needs the local control plane).
-ENGINE_TESTS := --ignore=tests/operator tests
+# The engine's tests: everything but tests/operator (which needs the local control plane) and tests/images
+# (which needs the built images).
+ENGINE_TESTS := --ignore=tests/operator --ignore=tests/images tests
 # What ruff lints and format-checks; mypy's files are in pyproject.toml ([tool.mypy]).
 LINT_PATHS := engine/ddtree operator/ddtree_operator tests benchmarks hack
 
@@ -34,8 +35,9 @@ cluster-bin: setup
 	PIP=$(PIP) bash hack/build-test-cluster.sh
 
 # Everything CI checks, in this order, stopping at the first failure: lint and type check, the fast engine
-# tests, the slow ones, the Triton kernels under the interpreter, the operator against a real control plane.
-test: lint test-fast test-slow test-triton-interpreter test-operator
+# tests, the slow ones, the Triton kernels under the interpreter, the operator against a real control plane,
+# the container images.
+test: lint test-fast test-slow test-triton-interpreter test-operator images
 
 # The order above is the order they run in, also under `make -j`.
 .NOTPARALLEL:
@@ -71,6 +73,13 @@ test-triton-interpreter: setup
 # The operator against a local control plane (its binaries: `make cluster-bin`).
 test-operator: setup cluster-bin
 	$(PYTEST) tests/operator
+
+# Both images of the Dockerfile, built without a Docker daemon (buildah and podman, installed with apt-get
+# if missing: needs root; storage and layer cache in ~/.cache/ddtree/images), then tested: the engine image's
+# smoke test and toolchain, and both images end to end on the local control plane.
+images: setup cluster-bin
+	bash hack/images.sh
+	$(PYTEST) tests/images
 
 # The main job: local control plane + operator + examples/smollm2-cpu.yaml + engine, then
 # `kubectl get specdeploy` with Ready, AccLen and Tok/s filled in.

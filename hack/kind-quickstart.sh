@@ -16,7 +16,7 @@ docker build --target operator -t "ddtree-operator:$TAG" .
 kind load docker-image --name "$CLUSTER" "ddtree-engine:$TAG" "ddtree-operator:$TAG"
 helm install ddtree charts/ddtree --namespace ddtree-system --create-namespace --wait
 kubectl apply -f examples/smollm2-cpu.yaml
-# First start fetches the built-in SmolLM2 (from PyPI) and runs the engine's smoke test.
+# First start converts the built-in SmolLM2 (its GGUF is in the engine image) and runs the engine's smoke test.
 kubectl wait --for=jsonpath='{.status.phase}'=Ready specdeploy/smollm2-cpu --timeout=30m
 
 kubectl port-forward svc/smollm2-cpu 8000:8000 >/dev/null &
