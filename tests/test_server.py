@@ -276,6 +276,46 @@ def test_scheduler_queue_bound_and_cancellation_free_rows(tokenizer):
     assert sched._free == 2, "every claimed row was given back"
 
 
+def test_load_is_running_plus_waiting_over_the_batch_size(tokenizer):
+    """ddtree_load, the autoscaling metric: 1.0 with every row busy, above 1 once requests queue, 0 when idle."""
+    from ddtree.runtime.engine import SamplingParams
+    from ddtree.serving.scheduler import Request, Scheduler
+
+    scripts = {i: (list(range(1000, 1020)), [1] * 19) for i in range(300, 304)}
+    eng = ScriptedEngine(scripts, max_batch_size=2)
+    eng.gate.clear()  # rounds block: admitted requests stay in their rows
+    m = ServerMetrics("test")
+    sched = Scheduler(eng, tokenizer, m, max_waiting=2)
+
+    def load():
+        return total(read_samples(m.render()[0].decode()), "ddtree_load")
+
+    def wait_load(expected):
+        deadline = time.monotonic() + 5
+        while load() != expected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return load()
+
+    sched.start()
+    assert load() == 0
+    got = {i: [] for i in range(4)}
+    reqs = [Request([300 + i], SamplingParams(max_new_tokens=19), None, got[i].append) for i in range(4)]
+    sched.submit(reqs[0])
+    sched.submit(reqs[1])
+    deadline = time.monotonic() + 5
+    while sched.running < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sched.running == 2 and load() == 1.0  # both rows busy, nothing waits
+    sched.submit(reqs[2])
+    assert load() == 1.5
+    sched.submit(reqs[3])
+    assert sched.waiting == 2 and load() == 2.0  # two running, two waiting
+    eng.gate.set()  # rounds run: everything finishes
+    assert wait_load(0.0) == 0.0
+    assert all(got[i] and got[i][-1].finish_reason == "length" for i in range(4))
+    sched.stop()
+
+
 def test_scheduler_survives_a_failed_round_and_reports_a_dead_engine(tokenizer):
     from ddtree.runtime.engine import SamplingParams
     from ddtree.serving.scheduler import NotRunning, Request, Scheduler

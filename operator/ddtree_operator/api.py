@@ -414,35 +414,89 @@ class ServingSpec(_Model):
     )
 
 
-# A replica with this many GPUs fills a node: there is no second node-sized hole for a surge pod.
-NODE_GPUS = 8
+ZERO = ("0", "0%")
+
+
+def is_zero(value: int | str | None) -> bool:
+    return value is not None and str(value) in ZERO
 
 
 class RolloutSpec(_Model):
-    """How a new revision replaces the engine pods (the Deployment's rolling update)."""
+    """How a new revision replaces the engine pods (the Deployment's strategy)."""
 
+    type: Literal["RollingUpdate", "Recreate"] = Field(
+        default="RollingUpdate",
+        description="`RollingUpdate` replaces pods a few at a time (maxSurge, maxUnavailable); `Recreate` stops "
+        "every old pod before the first new one starts (no two revisions ever serve together, and no "
+        "GPUs are needed beyond those of `replicas`). Default: RollingUpdate.",
+    )
     max_surge: IntOrPercent | None = Field(
         default=None,
         description="Pods above `replicas` during a rollout (a count or a percentage, as in a Deployment). "
-        "Default: 0 when `resources.gpus` >= 8 (a replica fills a node, so a surge pod would find no room), "
-        "else 1 (a new engine is ready before an old one goes, so serving capacity never drops).",
+        "Default: 0 when a replica fills a node (`resources.gpus` >= the operator's `nodeGpus`, 8 unless "
+        "configured), so a surge pod would find no room, else 1 (a new engine is ready before an old one "
+        "goes, so serving capacity never drops); 1 whenever maxUnavailable is set to 0.",
     )
     max_unavailable: IntOrPercent | None = Field(
         default=None,
-        description="Pods below `replicas` during a rollout (a count or a percentage). Default: 1 when "
-        "`resources.gpus` >= 8, else 0. maxSurge and maxUnavailable must not both be 0.",
+        description="Pods below `replicas` during a rollout (a count or a percentage). Default: 1 when a "
+        "replica fills a node, else 0; 1 whenever maxSurge is set to 0. They must not both be 0.",
+    )
+    rules: ClassVar = (
+        Rule(
+            cel="self.type == 'RollingUpdate' || (!has(self.maxSurge) && !has(self.maxUnavailable))",
+            message="spec.rollout.maxSurge and spec.rollout.maxUnavailable apply to type RollingUpdate only",
+            check=lambda m: m.type == "RollingUpdate" or (m.max_surge is None and m.max_unavailable is None),
+        ),
+        Rule(  # a Deployment refuses both 0: it could never roll
+            cel="!(has(self.maxSurge) && has(self.maxUnavailable) && "
+            f"string(self.maxSurge) in {list(ZERO)} && string(self.maxUnavailable) in {list(ZERO)})",
+            message="spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0",
+            check=lambda m: not (is_zero(m.max_surge) and is_zero(m.max_unavailable)),
+        ),
     )
 
-    def effective(self, gpus: int) -> tuple[int | str, int | str]:
-        """(maxSurge, maxUnavailable): what is set, else the default for a replica of `gpus` GPUs."""
-        whole_node = gpus >= NODE_GPUS
-        surge = self.max_surge if self.max_surge is not None else (0 if whole_node else 1)
-        unavailable = self.max_unavailable if self.max_unavailable is not None else (1 if whole_node else 0)
-        return surge, unavailable
+    def effective(self, gpus: int, node_gpus: int) -> tuple[int | str, int | str]:
+        """(maxSurge, maxUnavailable) of a rolling update: what is set, else the default for a replica of
+        `gpus` GPUs on nodes of `node_gpus`. The defaults never make both 0: one set to 0 makes the other 1."""
+        surge, unavailable = (0, 1) if gpus >= node_gpus else (1, 0)
+        if is_zero(self.max_surge):
+            unavailable = 1
+        if is_zero(self.max_unavailable):
+            surge = 1
+        return (
+            self.max_surge if self.max_surge is not None else surge,
+            self.max_unavailable if self.max_unavailable is not None else unavailable,
+        )
 
 
-def _is_zero(value: int | str) -> bool:
-    return str(value) in ("0", "0%")
+class AutoscalingSpec(_Model):
+    """Replicas that follow the engines' load (docs/operator.md, "Autoscaling")."""
+
+    min_replicas: int = Field(default=1, ge=1, le=1024, description="Fewest engine pods. Default: 1.")
+    max_replicas: int = Field(ge=1, le=1024, description="Most engine pods.")
+    target: float = Field(
+        default=0.8,
+        ge=0.1,
+        le=16.0,
+        description="Load per replica the autoscaler holds: the engine's `ddtree_load`, requests running plus "
+        "waiting over its max batch size (1 = full batches, above 1 = requests queue). Default: 0.8 (room "
+        "for the traffic that arrives while a new replica loads).",
+    )
+    rules: ClassVar = (
+        Rule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="spec.autoscaling.minReplicas must be <= spec.autoscaling.maxReplicas",
+            check=lambda m: m.min_replicas <= m.max_replicas,
+            field_path=".minReplicas",
+        ),
+        Rule(  # the schema's minimum alone lets an integer 0 through (compared as integers, 0.1 becomes 0)
+            cel="self.target >= 0.1",
+            message="spec.autoscaling.target must be at least 0.1",
+            check=lambda m: m.target >= 0.1,
+            field_path=".target",
+        ),
+    )
 
 
 class SpeculativeDeploymentSpec(_Model):
@@ -453,9 +507,19 @@ class SpeculativeDeploymentSpec(_Model):
     speculation: SpeculationSpec = nested(SpeculationSpec)
     engine: EngineSpec = nested(EngineSpec)
     parallelism: ParallelismSpec = nested(ParallelismSpec)
-    replicas: int = Field(default=1, ge=0, le=1024, description="Engine pods (scale subresource). Default: 1.")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1024,
+        description="Engine pods (scale subresource; with `autoscaling`, the autoscaler sets it). Default: 1.",
+    )
     resources: ResourcesSpec = nested(ResourcesSpec)
     rollout: RolloutSpec = nested(RolloutSpec)
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description="Scale `replicas` between minReplicas and maxReplicas on the engines' load, through a "
+        "HorizontalPodAutoscaler or a KEDA ScaledObject (the operator's `autoscalingProvider`).",
+    )
     scheduling: SchedulingSpec = nested(SchedulingSpec)
     model_cache: ModelCacheSpec | None = None
     readiness: ReadinessSpec = nested(ReadinessSpec)
@@ -509,16 +573,6 @@ class SpeculativeDeploymentSpec(_Model):
             message="spec.resources.gpuMemory needs GPUs (spec.resources.gpus)",
             check=lambda s: s.resources.gpu_memory is None or s.resources.gpus > 0,
             field_path=".resources.gpuMemory",
-        ),
-        Rule(  # the effective values, defaults included: a Deployment refuses both 0 (it could never roll)
-            cel="!(string(has(self.rollout.maxSurge) ? self.rollout.maxSurge : "
-            f"(self.resources.gpus >= {NODE_GPUS} ? 0 : 1)) in ['0', '0%'] && "
-            "string(has(self.rollout.maxUnavailable) ? self.rollout.maxUnavailable : "
-            f"(self.resources.gpus >= {NODE_GPUS} ? 1 : 0)) in ['0', '0%'])",
-            message="spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0 "
-            "(defaults included: 1 and 0, or 0 and 1 when spec.resources.gpus >= 8)",
-            check=lambda s: not all(_is_zero(v) for v in s.rollout.effective(s.resources.gpus)),
-            field_path=".rollout",
         ),
     )
 

@@ -3,7 +3,9 @@
     kopf run --standalone --all-namespaces -m ddtree_operator.handlers
 
 - create/update/resume: the fit check (fit.py; hub configs fetched here, cached), then server-side apply
-  the rendered children (idempotent; restart-safe), or nothing when the model does not fit.
+  the rendered children (idempotent; restart-safe) and delete the optional ones no longer rendered
+  (PodMonitor, PodDisruptionBudget, HorizontalPodAutoscaler, ScaledObject), or nothing when the model
+  does not fit.
 - a timer per resource: scrape ready engines, recompute the status, patch only what changed.
 - indexes keep the engine Deployments and pods in memory, so ticks cost no LIST calls.
 """
@@ -30,7 +32,7 @@ import urllib3
 from . import api
 from .fit import ConfigRef, MemoryCheck, decide, plan_inputs
 from .metrics import EngineSample, Window, parse_engine_metrics, window
-from .render import MANAGED_BY, OWNER_LABEL, EngineDefaults, Owner, render_children
+from .render import MANAGED_BY, OWNER_LABEL, Owner, engine_defaults_from_env, render_children
 from .status import PodView, compute_status, deployment_view, pod_view, status_patch
 
 FIELD_MANAGER = "ddtree-operator"
@@ -43,7 +45,20 @@ DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 APPLY = "application/apply-patch+yaml"
-POD_MONITOR = ("monitoring.coreos.com", "v1", "podmonitors")
+# Children that only some specs have, as (group, version, plural): applied when rendered, else deleted.
+OPTIONAL_CHILDREN = {
+    "PodMonitor": ("monitoring.coreos.com", "v1", "podmonitors"),
+    "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("keda.sh", "v1alpha1", "scaledobjects"),
+}
+# Kinds of other projects' CRDs, which a cluster may lack: the engines run without them, and an Event says why
+# the object is missing.
+MISSING_CRD_MESSAGES = {
+    "PodMonitor": "spec.metrics.podMonitor is true but the PodMonitor API (monitoring.coreos.com/v1) is not installed",
+    "ScaledObject": "spec.autoscaling is set and the operator's autoscalingProvider is keda, but the ScaledObject "
+    "API (keda.sh/v1alpha1) is not installed",
+}
 
 
 def _api_client() -> kubernetes.client.ApiClient:
@@ -75,10 +90,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.client_timeout = 150
     settings.watching.connect_timeout = 5
     memo.api = _api_client()
-    memo.defaults = EngineDefaults(
-        image=os.environ.get("DDTREE_ENGINE_IMAGE", "ddtree-engine:latest"),
-        image_pull_policy=os.environ.get("DDTREE_ENGINE_IMAGE_PULL_POLICY", "IfNotPresent"),
-    )
+    try:
+        memo.defaults = engine_defaults_from_env(os.environ)
+    except ValueError as exc:  # the operator stops: every resource would be rendered with a wrong setting
+        raise kopf.PermanentError(str(exc)) from exc
     memo.hub_endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_HUB_ENDPOINT).rstrip("/")
     # config.json by (endpoint, repo, revision), shared by every resource (kopf copies this memo shallowly)
     memo.hub_configs = {}
@@ -102,9 +117,10 @@ def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any]) 
         kubernetes.client.CoreV1Api(client).patch_namespaced_service(name, namespace, obj, **options)
     elif obj["kind"] == "ConfigMap":
         kubernetes.client.CoreV1Api(client).patch_namespaced_config_map(name, namespace, obj, **options)
-    elif obj["kind"] == "PodMonitor":
+    elif obj["kind"] in OPTIONAL_CHILDREN:
+        group, version, plural = OPTIONAL_CHILDREN[obj["kind"]]
         kubernetes.client.CustomObjectsApi(client).patch_namespaced_custom_object(
-            *POD_MONITOR[:2], namespace, POD_MONITOR[2], name, obj, **options
+            group, version, namespace, plural, name, obj, **options
         )
     else:
         raise ValueError(f"no apply path for kind {obj['kind']}")
@@ -153,7 +169,8 @@ def apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymen
 
 def _apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymentSpec, body: Any) -> None:
     client: kubernetes.client.ApiClient = memo.api
-    for child in render_children(owner, spec, memo.defaults):
+    children = render_children(owner, spec, memo.defaults)
+    for child in children:
         try:
             server_side_apply(client, child)
         except kubernetes.client.ApiException as exc:
@@ -163,23 +180,45 @@ def _apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeployme
             if exc.status == 404 and _missing_kind(exc) == "namespaces":
                 # Gone with its namespace: a status tick that ran before the watch saw the deletion.
                 raise kopf.TemporaryError(f"namespace {owner.namespace} is gone", delay=60) from exc
-            if child["kind"] == "PodMonitor" and exc.status == 404:
-                kopf.warn(
-                    body,
-                    reason="PodMonitorUnavailable",
-                    message="spec.metrics.podMonitor is true but the PodMonitor API "
-                    "(monitoring.coreos.com/v1) is not installed",
-                )
+            if child["kind"] in MISSING_CRD_MESSAGES and exc.status == 404:
+                kopf.warn(body, reason=f"{child['kind']}Unavailable", message=MISSING_CRD_MESSAGES[child["kind"]])
                 continue
             raise
-    if not spec.metrics.pod_monitor:
-        try:  # turned off since the last apply; 404 covers both "never made" and "no such API"
-            kubernetes.client.CustomObjectsApi(client).delete_namespaced_custom_object(
-                *POD_MONITOR[:2], owner.namespace, POD_MONITOR[2], owner.name
-            )
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 404:
-                raise
+    rendered = {child["kind"] for child in children}
+    for kind, resource in OPTIONAL_CHILDREN.items():
+        if kind not in rendered:
+            _delete_if_owned(client, owner, *resource)
+
+
+def _delete_if_owned(client: kubernetes.client.ApiClient, owner: Owner, group: str, version: str, plural: str) -> None:
+    """Delete an optional child the spec no longer asks for. An object of that name that the resource does not
+    own (say, an HPA a user made before `spec.autoscaling` existed) is left alone."""
+    objects = kubernetes.client.CustomObjectsApi(client)
+    try:
+        existing: dict[str, Any] = objects.get_namespaced_custom_object(  # type: ignore[assignment]
+            group, version, owner.namespace, plural, owner.name
+        )
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:  # never made, already gone, or no such API
+            return
+        raise
+    refs = existing["metadata"].get("ownerReferences") or []
+    if not any(ref.get("uid") == owner.uid and ref.get("controller") for ref in refs):
+        return
+    try:  # the precondition: not a same-named object made since the read
+        objects.delete_namespaced_custom_object(
+            group,
+            version,
+            owner.namespace,
+            plural,
+            owner.name,
+            body=kubernetes.client.V1DeleteOptions(
+                preconditions=kubernetes.client.V1Preconditions(uid=existing["metadata"]["uid"])
+            ),
+        )
+    except kubernetes.client.ApiException as exc:
+        if exc.status not in (404, 409):  # 409: the precondition failed
+            raise
 
 
 class ConfigFetchError(Exception):

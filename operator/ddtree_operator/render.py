@@ -9,10 +9,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import json
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
+import pydantic
 import yaml
+from pydantic import Field
+from pydantic.alias_generators import to_camel
 
 from . import api
 from .api import SpeculativeDeploymentSpec
@@ -39,6 +44,8 @@ API_KEYS_FILE = "api-keys"
 CONFIG_FILE = "engine.yaml"
 CONFIG_VOLUME = "engine-config"
 CONFIG_HASH_ANNOTATION = f"{api.GROUP}/engine-config-sha256"
+DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"
+OWN_POD_ANNOTATIONS = (DEFAULT_CONTAINER_ANNOTATION, CONFIG_HASH_ANNOTATION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +57,88 @@ class Owner:
     uid: str
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineDefaults:
-    """Operator-wide settings (Helm values) used where a spec leaves them out."""
+class _Defaults(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
-    image: str
-    image_pull_policy: str = "IfNotPresent"
+
+class CacheDefaults(_Defaults):
+    """The engine's download cache where a spec has no `modelCache`: a size-limited emptyDir, or one
+    existing PVC (which must exist in every namespace with resources; ReadWriteMany for replicas on
+    several nodes)."""
+
+    size_limit: api.Quantity | None = None
+    claim_name: str | None = Field(default=None, min_length=1, max_length=253)
+
+    @pydantic.model_validator(mode="after")
+    def _one_of(self) -> CacheDefaults:
+        if (self.size_limit is None) == (self.claim_name is None):
+            raise ValueError("cache needs exactly one of sizeLimit and claimName")
+        return self
+
+
+class LocalObjectReference(_Defaults):
+    name: str = Field(min_length=1, max_length=253)
+
+
+ENGINE_DEFAULTS_ENV = "DDTREE_ENGINE_DEFAULTS"
+DEFAULT_ENGINE_IMAGE = "ddtree-engine:latest"
+DEFAULT_KEDA_PROMETHEUS_ADDRESS = "http://prometheus-operated.monitoring.svc:9090"
+
+
+class EngineDefaults(_Defaults):
+    """Operator-wide settings (Helm values) used where a spec leaves them out: the image from
+    DDTREE_ENGINE_IMAGE and DDTREE_ENGINE_IMAGE_PULL_POLICY, the rest from the JSON object
+    DDTREE_ENGINE_DEFAULTS (camelCase keys, all optional; `engine_defaults_from_env`)."""
+
+    image: str = DEFAULT_ENGINE_IMAGE
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_secrets: tuple[LocalObjectReference, ...] = ()
+    service_account_name: str | None = Field(default=None, min_length=1, max_length=253)
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    priority_class_name: str | None = Field(default=None, min_length=1, max_length=253)  # spec's wins
+    cache: CacheDefaults | None = None
+    # GPUs of one node: a replica with this many has no second node-sized hole to surge into.
+    node_gpus: int = Field(default=8, ge=1, le=1024)
+    autoscaling_provider: Literal["prometheus-adapter", "keda"] = "prometheus-adapter"
+    keda_prometheus_address: str = Field(default=DEFAULT_KEDA_PROMETHEUS_ADDRESS, min_length=1)
+
+    @pydantic.field_validator("pod_labels", "pod_annotations")
+    @classmethod
+    def _not_the_operators_own(cls, value: dict[str, str], info: pydantic.ValidationInfo) -> dict[str, str]:
+        # The operator's labels select the pods (Deployment, Service, PDB, metrics); its annotations roll them.
+        own = set(labels("x")) if info.field_name == "pod_labels" else set(OWN_POD_ANNOTATIONS)
+        if taken := sorted(own & set(value)):
+            raise ValueError(f"must not set the operator's own keys {taken}")
+        return value
+
+
+def engine_defaults_from_env(environ: Mapping[str, str]) -> EngineDefaults:
+    """The operator's EngineDefaults, or ValueError with one line saying what is wrong (at start-up)."""
+    text = environ.get(ENGINE_DEFAULTS_ENV, "").strip() or "{}"
+    try:
+        settings = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{ENGINE_DEFAULTS_ENV} is not valid JSON: {exc}") from exc
+    if not isinstance(settings, dict):
+        raise ValueError(f"{ENGINE_DEFAULTS_ENV} must be a JSON object, not {type(settings).__name__}")
+    known = sorted(
+        f.alias for name, f in EngineDefaults.model_fields.items() if name not in ("image", "image_pull_policy")
+    )
+    if unknown := sorted(set(settings) - set(known)):
+        raise ValueError(f"{ENGINE_DEFAULTS_ENV} has unknown keys {unknown}; known keys: {', '.join(known)}")
+    image_variables = {"image": "DDTREE_ENGINE_IMAGE", "imagePullPolicy": "DDTREE_ENGINE_IMAGE_PULL_POLICY"}
+    image = {key: environ[variable] for key, variable in image_variables.items() if environ.get(variable)}
+    try:
+        return EngineDefaults.model_validate({**settings, **image})
+    except pydantic.ValidationError as exc:
+
+        def where(loc: tuple[int | str, ...]) -> str:
+            key = str(loc[0])
+            return image_variables.get(key) or f"{ENGINE_DEFAULTS_ENV} {'.'.join(map(str, loc))}"
+
+        problems = "; ".join(f"{where(e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"invalid engine defaults: {problems}") from exc
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -188,7 +271,9 @@ def _env(spec: SpeculativeDeploymentSpec) -> list[dict[str, Any]]:
     return env
 
 
-def _volumes(owner: Owner, spec: SpeculativeDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    owner: Owner, spec: SpeculativeDeploymentSpec, defaults: EngineDefaults
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.resources.shared_memory_size)}},
         {"name": CONFIG_VOLUME, "configMap": {"name": owner.name}},
@@ -197,6 +282,7 @@ def _volumes(owner: Owner, spec: SpeculativeDeploymentSpec) -> tuple[list[dict[s
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT, "readOnly": True},
     ]
+    cache = defaults.cache
     if spec.model_cache is not None:
         volumes.append(
             {
@@ -208,8 +294,12 @@ def _volumes(owner: Owner, spec: SpeculativeDeploymentSpec) -> tuple[list[dict[s
             }
         )
         mounts.append({"name": "cache", "mountPath": CACHE_DIR, "readOnly": spec.model_cache.read_only})
+    elif cache is not None and cache.claim_name is not None:
+        volumes.append({"name": "cache", "persistentVolumeClaim": {"claimName": cache.claim_name}})
+        mounts.append({"name": "cache", "mountPath": CACHE_DIR})
     else:
-        volumes.append({"name": "cache", "emptyDir": {}})
+        size_limit = {"sizeLimit": str(cache.size_limit)} if cache is not None and cache.size_limit else {}
+        volumes.append({"name": "cache", "emptyDir": size_limit})
         mounts.append({"name": "cache", "mountPath": CACHE_DIR})
     secret = spec.serving.api_key_secret
     if secret is not None:
@@ -224,12 +314,15 @@ def _volumes(owner: Owner, spec: SpeculativeDeploymentSpec) -> tuple[list[dict[s
     return volumes, mounts
 
 
-def _resources(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
+def _resources(spec: SpeculativeDeploymentSpec, defaults: EngineDefaults) -> dict[str, Any]:
     res = spec.resources
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if res.cpu is not None:
         requests["cpu"] = str(res.cpu)
+    if spec.model_cache is None and defaults.cache is not None and defaults.cache.size_limit is not None:
+        # The scheduler places the pod where its size-limited emptyDir cache fits on the node's disk.
+        requests["ephemeral-storage"] = str(defaults.cache.size_limit)
     if res.memory is not None:
         requests["memory"] = limits["memory"] = str(res.memory)
     if res.gpus:
@@ -269,18 +362,21 @@ def _tolerations(spec: SpeculativeDeploymentSpec) -> list[dict[str, Any]]:
     return tolerations
 
 
-def render_strategy(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
-    """The rolling update of spec.rollout. By default a replica smaller than a node surges (a new engine is
-    Ready before an old one goes: serving capacity never drops); a node-sized one cannot (no second node-sized
-    hole), so one old pod goes first."""
-    surge, unavailable = spec.rollout.effective(spec.resources.gpus)
+def render_strategy(spec: SpeculativeDeploymentSpec, defaults: EngineDefaults) -> dict[str, Any]:
+    """The Deployment strategy of spec.rollout. By default a replica smaller than a node surges (a new engine
+    is Ready before an old one goes: serving capacity never drops); a node-sized one cannot (no second
+    node-sized hole), so one old pod goes first. Either way a new pod counts as available only once its
+    readiness probe passes, which is the smoke test (`/ready`) unless spec.readiness.smokeTest is false."""
+    if spec.rollout.type == "Recreate":
+        return {"type": "Recreate"}
+    surge, unavailable = spec.rollout.effective(spec.resources.gpus, defaults.node_gpus)
     return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
 
 
 def render_deployment(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: EngineDefaults) -> dict[str, Any]:
     port = spec.metrics.port
     startup = spec.readiness.startup_timeout_seconds
-    volumes, mounts = _volumes(owner, spec)
+    volumes, mounts = _volumes(owner, spec, defaults)
     container = {
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image or defaults.image,
@@ -289,7 +385,7 @@ def render_deployment(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: E
         "args": engine_args(spec),
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
         "env": _env(spec),
-        "resources": _resources(spec),
+        "resources": _resources(spec, defaults),
         "volumeMounts": mounts,
         # Load + graph capture + smoke test may take the whole budget; no initialDelaySeconds guesswork.
         "startupProbe": _http_probe(
@@ -326,8 +422,12 @@ def render_deployment(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: E
         pod_spec["tolerations"] = tolerations
     if affinity := _affinity(spec):
         pod_spec["affinity"] = affinity
-    if scheduling.priority_class_name:
-        pod_spec["priorityClassName"] = scheduling.priority_class_name
+    if priority_class_name := scheduling.priority_class_name or defaults.priority_class_name:
+        pod_spec["priorityClassName"] = priority_class_name
+    if defaults.service_account_name:
+        pod_spec["serviceAccountName"] = defaults.service_account_name
+    if defaults.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [secret.model_dump() for secret in defaults.image_pull_secrets]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -335,14 +435,16 @@ def render_deployment(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: E
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(owner.name)},
-            "strategy": render_strategy(spec),
+            "strategy": render_strategy(spec, defaults),
             "progressDeadlineSeconds": startup + PROGRESS_DEADLINE_SLACK_SECONDS,
             "revisionHistoryLimit": 3,
             "template": {
                 "metadata": {
-                    "labels": labels(owner.name),
+                    # the defaults cannot hold the operator's own keys (EngineDefaults refuses them)
+                    "labels": {**defaults.pod_labels, **labels(owner.name)},
                     "annotations": {
-                        "kubectl.kubernetes.io/default-container": ENGINE_CONTAINER,
+                        **defaults.pod_annotations,
+                        DEFAULT_CONTAINER_ANNOTATION: ENGINE_CONTAINER,
                         # a changed configuration rolls the pods (a mounted ConfigMap alone would not)
                         CONFIG_HASH_ANNOTATION: hashlib.sha256(engine_config_text(spec).encode()).hexdigest(),
                     },
@@ -390,9 +492,102 @@ def render_config_map(owner: Owner, spec: SpeculativeDeploymentSpec) -> dict[str
     }
 
 
+def render_pod_disruption_budget(
+    owner: Owner, spec: SpeculativeDeploymentSpec, defaults: EngineDefaults
+) -> dict[str, Any] | None:
+    """How many engine pods voluntary disruptions (node drains, cluster-autoscaler scale-down) may take at once:
+    as many as a rolling update may (spec.rollout's effective maxUnavailable, sized by the user to the capacity
+    they can spare), but at least 1, since a budget that allows none blocks node drains for good. None for one
+    replica or fewer: there is no capacity to keep serving through a drain, and a budget would either block the
+    drain (0) or allow everything (1)."""
+    if spec.replicas <= 1:
+        return None
+    unavailable: int | str = 1
+    if spec.rollout.type == "RollingUpdate":
+        unavailable = spec.rollout.effective(spec.resources.gpus, defaults.node_gpus)[1]
+        if api.is_zero(unavailable):
+            unavailable = 1
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner),
+        "spec": {"maxUnavailable": unavailable, "selector": {"matchLabels": selector_labels(owner.name)}},
+    }
+
+
+# The engine's load gauge: requests running plus waiting over its max batch size (docs/operator.md, "Autoscaling").
+LOAD_METRIC = "ddtree_load"
+
+
+def _scale_target(owner: Owner) -> dict[str, str]:
+    """The resource itself, through its scale subresource: the autoscaler writes spec.replicas, from which the
+    operator renders the Deployment's replicas, so the two never fight over them."""
+    return {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND, "name": owner.name}
+
+
+def render_horizontal_pod_autoscaler(owner: Owner, autoscaling: api.AutoscalingSpec) -> dict[str, Any]:
+    """An HPA on the per-pod `ddtree_load`, which the prometheus-adapter serves as a pods custom metric."""
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(owner),
+        "spec": {
+            "scaleTargetRef": _scale_target(owner),
+            "minReplicas": autoscaling.min_replicas,
+            "maxReplicas": autoscaling.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": LOAD_METRIC},
+                        # a Quantity: 0.8 is written 800m
+                        "target": {"type": "AverageValue", "averageValue": f"{round(autoscaling.target * 1000)}m"},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def render_scaled_object(owner: Owner, autoscaling: api.AutoscalingSpec, defaults: EngineDefaults) -> dict[str, Any]:
+    """A KEDA ScaledObject with a Prometheus trigger. The query sums `ddtree_load` over the resource's pods and
+    the trigger is an AverageValue, so the HPA that KEDA makes divides it by the replicas: the target is a load
+    per replica, as with the prometheus-adapter. The pods are matched by name: the Deployment names them
+    NAME-<template hash>-<5 characters>, a shape that keeps other workloads called NAME-something out."""
+    pods = f"{owner.name}-[a-z0-9]+-[a-z0-9]{{5}}"
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _metadata(owner),
+        "spec": {
+            "scaleTargetRef": _scale_target(owner),
+            "minReplicaCount": autoscaling.min_replicas,
+            "maxReplicaCount": autoscaling.max_replicas,
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "serverAddress": defaults.keda_prometheus_address,
+                        "query": f'sum({LOAD_METRIC}{{namespace="{owner.namespace}",pod=~"{pods}"}})',
+                        "threshold": f"{autoscaling.target:g}",
+                    },
+                }
+            ],
+        },
+    }
+
+
 def render_children(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: EngineDefaults) -> list[dict[str, Any]]:
     """Every object the resource should own, in apply order (the ConfigMap before the pods that mount it)."""
     children = [render_config_map(owner, spec), render_deployment(owner, spec, defaults), render_service(owner, spec)]
     if spec.metrics.pod_monitor:
         children.append(render_pod_monitor(owner, spec))
+    if budget := render_pod_disruption_budget(owner, spec, defaults):
+        children.append(budget)
+    if spec.autoscaling is not None:
+        if defaults.autoscaling_provider == "keda":
+            children.append(render_scaled_object(owner, spec.autoscaling, defaults))
+        else:
+            children.append(render_horizontal_pod_autoscaler(owner, spec.autoscaling))
     return children

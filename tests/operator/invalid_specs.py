@@ -72,13 +72,21 @@ INVALID_SPECS = {
         {**VALID, "resources": {"gpuMemory": "80Gi"}},
         "spec.resources.gpuMemory needs GPUs",
     ),
-    "rollout-no-surge-on-a-small-replica": (  # maxUnavailable defaults to 0 there
-        {**VALID, "rollout": {"maxSurge": 0}},
+    "rollout-both-zero": (
+        {**VALID, "rollout": {"maxSurge": 0, "maxUnavailable": "0%"}},
         "spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0",
     ),
-    "rollout-nothing-unavailable-on-a-whole-node": (  # maxSurge defaults to 0 there
-        {**VALID, "resources": {"gpus": 8}, "rollout": {"maxUnavailable": "0%"}},
-        "spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0",
+    "recreate-with-max-surge": (
+        {**VALID, "rollout": {"type": "Recreate", "maxSurge": 1}},
+        "spec.rollout.maxSurge and spec.rollout.maxUnavailable apply to type RollingUpdate only",
+    ),
+    "recreate-with-max-unavailable": (
+        {**VALID, "rollout": {"type": "Recreate", "maxUnavailable": "25%"}},
+        "spec.rollout.maxSurge and spec.rollout.maxUnavailable apply to type RollingUpdate only",
+    ),
+    "autoscaling-min-above-max": (
+        {**VALID, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+        "spec.autoscaling.minReplicas must be <= spec.autoscaling.maxReplicas",
     ),
 }
 
@@ -103,4 +111,11 @@ OUT_OF_BOUNDS_SPECS = {
     "negative-max-unavailable": ({**VALID, "rollout": {"maxUnavailable": -1}}, "spec.rollout.maxUnavailable"),
     "max-seq-len-too-small": ({**VALID, "engine": {"maxSeqLen": 8}}, "spec.engine.maxSeqLen"),
     "expert-parallel-zero": ({**VALID, "parallelism": {"expert": 0}}, "spec.parallelism.expert"),
+    "unknown-rollout-type": ({**VALID, "rollout": {"type": "BlueGreen"}}, "spec.rollout.type"),
+    "autoscaling-min-zero": (
+        {**VALID, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+        "spec.autoscaling.minReplicas",
+    ),
+    "autoscaling-without-max": ({**VALID, "autoscaling": {"minReplicas": 1}}, "spec.autoscaling.maxReplicas"),
+    "autoscaling-target-zero": ({**VALID, "autoscaling": {"maxReplicas": 2, "target": 0}}, "spec.autoscaling.target"),
 }

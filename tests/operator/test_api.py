@@ -70,14 +70,27 @@ def test_new_fields_default_to_the_engines_defaults():
 
 
 def test_rollout_defaults_follow_the_replica_size():
-    def effective(gpus, **rollout):
+    def effective(gpus, node_gpus=8, **rollout):
         s = SpeculativeDeploymentSpec.model_validate({**VALID, "resources": {"gpus": gpus}, "rollout": rollout})
-        return s.rollout.effective(s.resources.gpus)
+        return s.rollout.effective(s.resources.gpus, node_gpus)
 
     assert effective(0) == effective(1) == effective(4) == (1, 0)  # surge: capacity never drops
     assert effective(8) == effective(16) == (0, 1)  # a whole node: no room for a surge pod
+    assert effective(4, node_gpus=4) == (0, 1) and effective(8, node_gpus=16) == (1, 0)  # the operator's nodeGpus
     assert effective(8, maxSurge=1) == (1, 1) and effective(1, maxUnavailable="50%") == (1, "50%")
     assert effective(8, maxSurge="25%", maxUnavailable=0) == ("25%", 0)
+    # one set to 0 makes the other default to 1, whatever the replica size: a Deployment refuses both 0
+    assert effective(1, maxSurge=0) == (0, 1) and effective(8, maxUnavailable="0%") == (1, "0%")
+
+
+def test_rollout_type_and_autoscaling_defaults():
+    spec = SpeculativeDeploymentSpec.model_validate(VALID)
+    assert spec.rollout.type == "RollingUpdate" and spec.autoscaling is None
+    scaled = SpeculativeDeploymentSpec.model_validate({**VALID, "autoscaling": {"maxReplicas": 4}})
+    assert scaled.autoscaling is not None
+    assert (scaled.autoscaling.min_replicas, scaled.autoscaling.max_replicas, scaled.autoscaling.target) == (1, 4, 0.8)
+    recreate = SpeculativeDeploymentSpec.model_validate({**VALID, "rollout": {"type": "Recreate"}})
+    assert recreate.rollout.type == "Recreate"
 
 
 def test_expert_parallel_is_one_or_the_tensor_degree():

@@ -5,6 +5,7 @@ import datetime
 import json
 
 import pytest
+import yaml
 
 from ddtree_operator.api import SpeculativeDeploymentSpec
 from ddtree_operator.fit import MemoryCheck
@@ -71,7 +72,16 @@ def test_new_fields_pass_the_schema_and_the_rules(cluster, chart_installed, name
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=resource("new-fields", spec))
     stored = cluster.specdeploy(namespace, "new-fields")["spec"]
     assert SpeculativeDeploymentSpec.model_validate(stored) == SpeculativeDeploymentSpec.model_validate(spec)
-    assert stored["rollout"] == {"maxSurge": 0, "maxUnavailable": "25%"}
+    assert stored["rollout"] == {"type": "RollingUpdate", "maxSurge": 0, "maxUnavailable": "25%"}
+
+
+def test_recreate_and_autoscaling_pass_the_schema_with_server_defaults(cluster, chart_installed, namespace):
+    spec = {**VALID, "rollout": {"type": "Recreate"}, "autoscaling": {"maxReplicas": 4}}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=resource("autoscaled", spec))
+    stored = cluster.specdeploy(namespace, "autoscaled")["spec"]
+    assert stored["rollout"] == {"type": "Recreate"}
+    assert stored["autoscaling"] == {"minReplicas": 1, "maxReplicas": 4, "target": 0.8}
+    assert SpeculativeDeploymentSpec.model_validate(stored) == SpeculativeDeploymentSpec.model_validate(spec)
 
 
 def test_name_must_be_a_dns_label(cluster, chart_installed, namespace):
@@ -158,12 +168,15 @@ def test_short_name_and_category(cluster, chart_installed, namespace):
 def test_chart_installs_with_server_side_apply(cluster, chart_installed):
     # The fixture applied `helm template` once; applying it again must be a clean no-op.
     again = cluster.kubectl("apply", "--server-side", "-f", "-", input=chart_installed)
-    assert again.stdout.count("serverside-applied") == 5, again.stdout
+    documents = [d for d in yaml.safe_load_all(chart_installed) if d]
+    assert again.stdout.count("serverside-applied") == len(documents) == 7, again.stdout
     for kind, name in (
         ("serviceaccount", "ddtree-operator"),
         ("deployment", "ddtree-operator"),
         ("clusterrole", "ddtree-operator"),
         ("clusterrolebinding", "ddtree-operator"),
+        ("clusterrole", "ddtree-view"),
+        ("clusterrole", "ddtree-edit"),
     ):
         cluster.kubectl("get", kind, name, "-n", "ddtree-system")
     crd = json.loads(cluster.kubectl("get", "crd", "speculativedeployments.ddtree.dev", "-o", "json").stdout)

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 import yaml
 
+from ddtree_operator.render import engine_defaults_from_env
 from kube_testbed import BIN_DIR, CHART, OPERATOR_NAMESPACE, OPERATOR_SA, missing
 
 
@@ -149,8 +150,16 @@ def test_engine_defaults_carry_every_engine_pod_setting(helm):
         "cache": {"sizeLimit": "100Gi"},
         "nodeGpus": 4,
     }
-    values = ("--set-json", f"engine={json.dumps(engine)}", "--set", "autoscaling.provider=keda")
-    assert engine_defaults(helm, *values) == {
+    values = (
+        "--set-json",
+        f"engine={json.dumps(engine)}",
+        "--set",
+        "autoscaling.provider=keda",
+        "--set",
+        "autoscaling.kedaPrometheusAddress=http://prometheus.monitoring:9090",
+    )
+    rendered = engine_defaults(helm, *values)
+    assert rendered == {
         "imagePullSecrets": [{"name": "regcred"}],
         "serviceAccountName": "llm-engine",
         "podLabels": {"team": "llm", "cost-center": "42"},
@@ -159,7 +168,12 @@ def test_engine_defaults_carry_every_engine_pod_setting(helm):
         "cache": {"sizeLimit": "100Gi"},
         "nodeGpus": 4,
         "autoscalingProvider": "keda",
+        "kedaPrometheusAddress": "http://prometheus.monitoring:9090",
     }
+    # what the chart writes is what the operator reads
+    defaults = engine_defaults_from_env({"DDTREE_ENGINE_DEFAULTS": json.dumps(rendered)})
+    assert (defaults.node_gpus, defaults.autoscaling_provider, defaults.pod_labels["team"]) == (4, "keda", "llm")
+    assert str(defaults.cache.size_limit) == "100Gi" and defaults.image_pull_secrets[0].name == "regcred"
 
 
 def test_engine_cache_is_an_existing_claim_or_a_sized_empty_dir_not_both(helm):
@@ -282,15 +296,19 @@ def test_rbac_has_no_wildcards(helm):
     assert ("", "namespaces", "list") not in rules
 
 
-def test_operator_may_manage_disruption_budgets_and_autoscalers(helm):
+def test_operator_may_manage_its_optional_children_and_no_more(helm):
+    """PodMonitors, PDBs, HPAs and ScaledObjects: read (only the resource's own are deleted), applied and
+    deleted; never listed, watched or updated."""
     role = next(d for d in template(helm) if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "ddtree-operator")
-    verbs = ("get", "list", "watch", "create", "patch", "update", "delete")
+    rules = granted(role["rules"])
     for group, resource in [
+        ("monitoring.coreos.com", "podmonitors"),
         ("policy", "poddisruptionbudgets"),
         ("autoscaling", "horizontalpodautoscalers"),
         ("keda.sh", "scaledobjects"),
     ]:
-        assert {(group, resource, verb) for verb in verbs} <= granted(role["rules"]), resource
+        assert {(group, resource, verb) for verb in ("get", "create", "patch", "delete")} <= rules, resource
+        assert not {(group, resource, verb) for verb in ("list", "watch", "update")} & rules, resource
 
 
 def test_namespaced_mode_grants_roles_per_watched_namespace(helm):

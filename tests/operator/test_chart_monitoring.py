@@ -17,9 +17,6 @@ from ddtree_operator.api import SpeculativeDeploymentSpec
 from ddtree_operator.render import Owner, render_pod_monitor
 from kube_testbed import BIN_DIR, CHART, EXAMPLES, missing
 
-# The engine gauge `ddtree_load` ((running + waiting) / max batch size) comes with an engine change that is
-# not merged yet; allowed only while ServerMetrics lacks it. Remove this set once the engine exports it.
-METRICS_ADDED_BY_PENDING_ENGINE_CHANGE = {"ddtree_load"}
 # What prometheus-operator puts on every series scraped through a PodMonitor (its target labels).
 POD_MONITOR_TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance"}
 KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left", "group_right"}
@@ -127,13 +124,12 @@ def test_the_name_extractor_sees_every_selected_metric():
 
 def test_dashboard_and_alerts_read_only_metrics_the_engine_exports(expressions):
     exported, _ = exported_series()
-    pending = METRICS_ADDED_BY_PENDING_ENGINE_CHANGE - exported
     unknown = {}
     for where, expr in expressions:
         names = metric_names(expr)
         assert names, f"{where} selects no metric: {expr}"
-        if names - exported - pending:
-            unknown[where] = sorted(names - exported - pending)
+        if names - exported:
+            unknown[where] = sorted(names - exported)
     assert not unknown, f"not exported by ddtree.serving.metrics.ServerMetrics: {unknown}"
 
 

@@ -11,6 +11,7 @@ import json
 import threading
 import time
 
+import kubernetes
 import pytest
 import yaml
 
@@ -77,8 +78,6 @@ def test_example_creates_owned_objects(cluster, namespace, example, name, expect
 
 
 def _read(read, name, namespace):
-    import kubernetes
-
     try:
         return read(name, namespace)
     except kubernetes.client.ApiException as exc:
@@ -395,3 +394,102 @@ def test_applying_into_a_namespace_that_is_gone_is_a_temporary_error(cluster):
     owner = Owner("smollm2-cpu", "t-gone-0000", "0")
     with pytest.raises(kopf.TemporaryError, match="namespace t-gone-0000 is gone"):
         handlers.apply_children(memo, owner, api.SpeculativeDeploymentSpec.model_validate(spec), body={})
+
+
+def test_several_replicas_get_a_pod_disruption_budget(cluster, namespace):
+    policy = kubernetes.client.PolicyV1Api(cluster.api)
+
+    def budget():
+        return _read(policy.read_namespaced_pod_disruption_budget, "smollm2-cpu", namespace)
+
+    cluster.apply_example(namespace, "smollm2-cpu.yaml", replicas=2)
+    wait_for(lambda: cluster.status(namespace, "smollm2-cpu").get("readyReplicas") == 2, 60, "2 ready replicas")
+    created = wait_for(budget, 30, "the PodDisruptionBudget")
+    assert owned_by(created, cluster.specdeploy(namespace, "smollm2-cpu"))
+    assert created.spec.max_unavailable == 1
+    # the disruption controller finds the engine pods through its selector: one of two may be evicted
+    found = wait_for(
+        lambda: (b := budget()).status and b.status.expected_pods == 2 and b.status.disruptions_allowed == 1 and b,
+        60,
+        "the budget to cover both engine pods",
+    )
+    assert found.status.current_healthy == 2
+
+    cluster.kubectl("scale", "specdeploy", "smollm2-cpu", "-n", namespace, "--replicas=1")
+    wait_for(lambda: budget() is None, 30, "the PodDisruptionBudget deleted at one replica")
+
+
+def test_autoscaling_drives_the_resource_through_its_scale_subresource(cluster, namespace):
+    autoscaling = kubernetes.client.AutoscalingV2Api(cluster.api)
+
+    def hpa():
+        return _read(autoscaling.read_namespaced_horizontal_pod_autoscaler, "smollm2-cpu", namespace)
+
+    cluster.apply_example(namespace, "smollm2-cpu.yaml", autoscaling={"minReplicas": 1, "maxReplicas": 3})
+    created = wait_for(hpa, 30, "the HorizontalPodAutoscaler")
+    assert owned_by(created, cluster.specdeploy(namespace, "smollm2-cpu"))
+    ref = created.spec.scale_target_ref
+    assert (ref.api_version, ref.kind, ref.name) == ("ddtree.dev/v1alpha1", "SpeculativeDeployment", "smollm2-cpu")
+    assert (created.spec.min_replicas, created.spec.max_replicas) == (1, 3)
+    (metric,) = created.spec.metrics
+    assert metric.pods.metric.name == "ddtree_load" and metric.pods.target.average_value == "800m"
+    wait_phase(cluster, namespace, "smollm2-cpu", "Ready")
+    path = f"/apis/ddtree.dev/v1alpha1/namespaces/{namespace}/speculativedeployments/smollm2-cpu/scale"
+    scale = json.loads(cluster.kubectl("get", "--raw", path).stdout)
+    assert scale["spec"]["replicas"] == 1 and scale["status"]["selector"].endswith("=smollm2-cpu")
+
+    # The controller-manager's HPA controller read the resource's scale (AbleToScale); without a custom
+    # metrics API here it then cannot get ddtree_load, and says so.
+    def conditions():
+        current = hpa()
+        return {c.type: c for c in (current.status.conditions or [])} if current and current.status else {}
+
+    able = wait_for(lambda: conditions().get("AbleToScale"), 60, "the HPA's AbleToScale condition")
+    assert (able.status, able.reason) == ("True", "SucceededGetScale"), able
+    active = wait_for(lambda: conditions().get("ScalingActive"), 60, "the HPA's ScalingActive condition")
+    assert active.status == "False" and "ddtree_load" in active.message, active
+
+    # What the HPA does when it scales: write spec.replicas through the scale subresource; the operator
+    # renders the Deployment (and, above one replica, a PodDisruptionBudget) from it.
+    cluster.kubectl("scale", "specdeploy", "smollm2-cpu", "-n", namespace, "--replicas=2")
+    wait_for(lambda: cluster.status(namespace, "smollm2-cpu").get("readyReplicas") == 2, 60, "2 ready replicas")
+    assert cluster.apps.read_namespaced_deployment("smollm2-cpu", namespace).spec.replicas == 2
+
+    cluster.kubectl(
+        "patch",
+        "specdeploy",
+        "smollm2-cpu",
+        "-n",
+        namespace,
+        "--type=json",
+        "-p",
+        json.dumps([{"op": "remove", "path": "/spec/autoscaling"}]),
+    )
+    wait_for(lambda: hpa() is None, 30, "the HorizontalPodAutoscaler deleted")
+
+
+def test_an_hpa_the_resource_does_not_own_is_left_alone(cluster, namespace):
+    """Before spec.autoscaling, users pointed their own HPA at the scale subresource, often under the
+    resource's name: the operator deletes only the HPA it made itself."""
+    autoscaling = kubernetes.client.AutoscalingV2Api(cluster.api)
+    ref = {"apiVersion": "ddtree.dev/v1alpha1", "kind": "SpeculativeDeployment", "name": "smollm2-cpu"}
+    autoscaling.create_namespaced_horizontal_pod_autoscaler(
+        namespace,
+        {
+            "metadata": {"name": "smollm2-cpu"},
+            "spec": {
+                "scaleTargetRef": ref,
+                "maxReplicas": 2,
+                "metrics": [
+                    {
+                        "type": "Resource",
+                        "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}},
+                    }
+                ],
+            },
+        },
+    )
+    cluster.apply_example(namespace, "smollm2-cpu.yaml")
+    wait_phase(cluster, namespace, "smollm2-cpu", "Ready")  # applied and pruned long before
+    kept = autoscaling.read_namespaced_horizontal_pod_autoscaler("smollm2-cpu", namespace)
+    assert kept.spec.metrics[0].resource.name == "cpu" and not kept.metadata.owner_references

@@ -3,6 +3,7 @@
 import copy
 import pathlib
 
+import pytest
 import yaml
 
 from ddtree.config import EngineConfig
@@ -12,10 +13,12 @@ from ddtree_operator.render import (
     EngineDefaults,
     Owner,
     engine_config,
+    engine_defaults_from_env,
     labels,
     render_children,
     render_config_map,
     render_deployment,
+    render_pod_disruption_budget,
     render_service,
     selector_labels,
     selector_string,
@@ -362,8 +365,8 @@ def test_api_key_secret_is_mounted_where_the_engine_reads_its_keys(tmp_path):
 
 
 def test_rollout_strategy_defaults_by_replica_size_and_overrides():
-    def strategy(**overrides):
-        return render_deployment(OWNER, spec(**overrides), DEFAULTS)["spec"]["strategy"]
+    def strategy(defaults=DEFAULTS, **overrides):
+        return render_deployment(OWNER, spec(**overrides), defaults)["spec"]["strategy"]
 
     def rolling(surge, unavailable):
         return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
@@ -373,3 +376,172 @@ def test_rollout_strategy_defaults_by_replica_size_and_overrides():
     assert render_deployment(OWNER, example("kimi-ddtree.yaml"), DEFAULTS)["spec"]["strategy"] == rolling(0, 1)
     assert strategy(rollout={"maxSurge": "25%", "maxUnavailable": "25%"}) == rolling("25%", "25%")
     assert strategy(resources={"gpus": 8}, rollout={"maxSurge": 1}) == rolling(1, 1)
+    assert strategy(rollout={"maxSurge": 0}) == rolling(0, 1)
+    # what fills a node is the operator's nodeGpus
+    four_gpu_nodes = DEFAULTS.model_copy(update={"node_gpus": 4})
+    assert strategy(four_gpu_nodes, resources={"gpus": 4}) == rolling(0, 1)
+    assert strategy(DEFAULTS.model_copy(update={"node_gpus": 16}), resources={"gpus": 8}) == rolling(1, 0)
+    assert strategy(rollout={"type": "Recreate"}) == strategy(resources={"gpus": 8}, rollout={"type": "Recreate"})
+    assert strategy(rollout={"type": "Recreate"}) == {"type": "Recreate"}
+
+
+def test_pod_disruption_budget_only_for_several_replicas():
+    assert render_pod_disruption_budget(OWNER, spec(), DEFAULTS) is None
+    assert render_pod_disruption_budget(OWNER, spec(replicas=0), DEFAULTS) is None
+    assert "PodDisruptionBudget" not in [c["kind"] for c in render_children(OWNER, spec(), DEFAULTS)]
+    budget = render_pod_disruption_budget(OWNER, spec(replicas=2), DEFAULTS)
+    assert budget is not None and (budget["apiVersion"], budget["kind"]) == ("policy/v1", "PodDisruptionBudget")
+    # one pod at a time by default, even where a rollout takes none away (it surges instead)
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels("demo")}}
+    assert budget["metadata"]["ownerReferences"] == render_service(OWNER, spec())["metadata"]["ownerReferences"]
+
+    def allowed(**overrides):
+        return render_pod_disruption_budget(OWNER, spec(replicas=4, **overrides), DEFAULTS)["spec"]["maxUnavailable"]
+
+    # as many as a rolling update may take
+    assert allowed(rollout={"maxUnavailable": "50%"}) == "50%" and allowed(rollout={"maxUnavailable": 2}) == 2
+    assert allowed(rollout={"maxUnavailable": 0}) == 1 and allowed(resources={"gpus": 8}) == 1
+    assert allowed(rollout={"type": "Recreate"}) == 1
+
+
+def test_autoscaling_renders_an_hpa_on_the_resources_scale_subresource():
+    s = spec(autoscaling={"minReplicas": 2, "maxReplicas": 6, "target": 0.75})
+    children = render_children(OWNER, s, DEFAULTS)
+    assert [c["kind"] for c in children][-1] == "HorizontalPodAutoscaler"
+    assert "ScaledObject" not in [c["kind"] for c in children]
+    hpa = children[-1]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"] == {
+        "scaleTargetRef": {"apiVersion": "ddtree.dev/v1alpha1", "kind": "SpeculativeDeployment", "name": "demo"},
+        "minReplicas": 2,
+        "maxReplicas": 6,
+        "metrics": [
+            {
+                "type": "Pods",
+                "pods": {"metric": {"name": "ddtree_load"}, "target": {"type": "AverageValue", "averageValue": "750m"}},
+            }
+        ],
+    }
+    assert hpa["metadata"]["ownerReferences"][0]["kind"] == "SpeculativeDeployment"
+    default_target = render_children(OWNER, spec(autoscaling={"maxReplicas": 3}), DEFAULTS)[-1]
+    assert default_target["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "800m"
+    assert default_target["spec"]["minReplicas"] == 1
+    # the replicas the autoscaler wrote into spec.replicas are what the Deployment gets
+    assert render_deployment(OWNER, spec(replicas=5, autoscaling={"maxReplicas": 6}), DEFAULTS)["spec"]["replicas"] == 5
+
+
+def test_autoscaling_with_keda_renders_a_scaled_object():
+    keda = DEFAULTS.model_copy(update={"autoscaling_provider": "keda", "keda_prometheus_address": "http://prom:9090"})
+    children = render_children(OWNER, spec(autoscaling={"maxReplicas": 4, "target": 1.5}), keda)
+    assert "HorizontalPodAutoscaler" not in [c["kind"] for c in children]
+    scaled = children[-1]
+    assert (scaled["apiVersion"], scaled["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"] == {
+        "apiVersion": "ddtree.dev/v1alpha1",
+        "kind": "SpeculativeDeployment",
+        "name": "demo",
+    }
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (1, 4)
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"] == {
+        "serverAddress": "http://prom:9090",
+        # a sum: KEDA's HPA divides it by the replicas, so the threshold is a load per replica
+        "query": 'sum(ddtree_load{namespace="llm",pod=~"demo-[a-z0-9]+-[a-z0-9]{5}"})',
+        "threshold": "1.5",
+    }
+
+
+def test_engine_defaults_reach_the_pods():
+    defaults = EngineDefaults(
+        image="ddtree-engine:9.9",
+        image_pull_secrets=[{"name": "registry"}],
+        service_account_name="engine",
+        pod_labels={"team": "llm"},
+        pod_annotations={"sidecar.istio.io/inject": "false"},
+        priority_class_name="inference",
+        cache={"sizeLimit": "100Gi"},
+    )
+    deployment = render_deployment(OWNER, spec(), defaults)
+    template = deployment["spec"]["template"]
+    pod = template["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry"}] and pod["serviceAccountName"] == "engine"
+    assert pod["priorityClassName"] == "inference"
+    assert template["metadata"]["labels"] == {"team": "llm", **labels("demo")}
+    assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert CONFIG_HASH_ANNOTATION in template["metadata"]["annotations"]
+    assert next(v for v in pod["volumes"] if v["name"] == "cache") == {
+        "name": "cache",
+        "emptyDir": {"sizeLimit": "100Gi"},
+    }
+    assert container(deployment)["resources"]["requests"] == {"ephemeral-storage": "100Gi"}
+    # the spec's own choices win
+    own = render_deployment(
+        OWNER, spec(scheduling={"priorityClassName": "batch"}, modelCache={"claimName": "weights"}), defaults
+    )
+    assert own["spec"]["template"]["spec"]["priorityClassName"] == "batch"
+    assert next(v for v in own["spec"]["template"]["spec"]["volumes"] if v["name"] == "cache") == {
+        "name": "cache",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": False},
+    }
+    assert "ephemeral-storage" not in container(own)["resources"].get("requests", {})
+    # an existing claim as the cache
+    claimed = render_deployment(OWNER, spec(), EngineDefaults(image="ddtree-engine:9.9", cache={"claimName": "shared"}))
+    pod = claimed["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "cache") == {
+        "name": "cache",
+        "persistentVolumeClaim": {"claimName": "shared"},
+    }
+    # none set: nothing rendered
+    plain = render_deployment(OWNER, spec(), DEFAULTS)["spec"]["template"]
+    assert not {"imagePullSecrets", "serviceAccountName", "priorityClassName"} & set(plain["spec"])
+    assert plain["metadata"]["labels"] == labels("demo")
+    assert next(v for v in plain["spec"]["volumes"] if v["name"] == "cache") == {"name": "cache", "emptyDir": {}}
+
+
+def test_engine_defaults_from_the_environment():
+    plain = engine_defaults_from_env({})
+    assert plain == EngineDefaults() and plain.node_gpus == 8 and plain.autoscaling_provider == "prometheus-adapter"
+    assert plain.keda_prometheus_address == "http://prometheus-operated.monitoring.svc:9090"
+    parsed = engine_defaults_from_env(
+        {
+            "DDTREE_ENGINE_IMAGE": "registry.example/ddtree:2",
+            "DDTREE_ENGINE_IMAGE_PULL_POLICY": "Always",
+            "DDTREE_ENGINE_DEFAULTS": '{"imagePullSecrets": [{"name": "r"}], "podLabels": {"a": "b"}, '
+            '"cache": {"claimName": "c"}, "nodeGpus": 4, "autoscalingProvider": "keda", '
+            '"kedaPrometheusAddress": "http://p:9090", "serviceAccountName": "s", "priorityClassName": "p", '
+            '"podAnnotations": {"x": "y"}}',
+        }
+    )
+    assert (parsed.image, parsed.image_pull_policy, parsed.node_gpus) == ("registry.example/ddtree:2", "Always", 4)
+    assert parsed.cache is not None and parsed.cache.claim_name == "c" and parsed.autoscaling_provider == "keda"
+    assert parsed.image_pull_secrets[0].name == "r" and parsed.pod_labels == {"a": "b"}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{nodeGpus: 4}", "DDTREE_ENGINE_DEFAULTS is not valid JSON"),
+        ("[1]", "DDTREE_ENGINE_DEFAULTS must be a JSON object, not list"),
+        ('{"nodeGPUs": 4}', "DDTREE_ENGINE_DEFAULTS has unknown keys ['nodeGPUs']; known keys: autoscalingProvider"),
+        ('{"image": "x"}', "unknown keys ['image']"),  # DDTREE_ENGINE_IMAGE sets it
+        ('{"nodeGpus": 0}', "DDTREE_ENGINE_DEFAULTS nodeGpus: Input should be greater than or equal to 1"),
+        ('{"autoscalingProvider": "hpa"}', "DDTREE_ENGINE_DEFAULTS autoscalingProvider: Input should be"),
+        ('{"cache": {"sizeLimit": "1Gi", "claimName": "c"}}', "cache needs exactly one of sizeLimit and claimName"),
+        ('{"cache": {"sizeLimit": "lots"}}', "is not a Kubernetes quantity"),
+        (
+            '{"podLabels": {"app.kubernetes.io/name": "mine"}}',
+            "podLabels: Value error, must not set the operator's own keys ['app.kubernetes.io/name']",
+        ),
+        ('{"podAnnotations": {"ddtree.dev/engine-config-sha256": "0"}}', "must not set the operator's own keys"),
+    ],
+)
+def test_bad_engine_defaults_are_one_clear_error(text, message):
+    with pytest.raises(ValueError) as error:
+        engine_defaults_from_env({"DDTREE_ENGINE_DEFAULTS": text})
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_bad_image_pull_policy_names_its_variable():
+    with pytest.raises(ValueError, match="DDTREE_ENGINE_IMAGE_PULL_POLICY: Input should be"):
+        engine_defaults_from_env({"DDTREE_ENGINE_IMAGE_PULL_POLICY": "Sometimes"})

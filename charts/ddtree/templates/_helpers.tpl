@@ -55,6 +55,7 @@ DDTREE_ENGINE_DEFAULTS: the engine pod settings of the values, as the JSON objec
 {{- $_ := set $defaults "cache" (dict "claimName" $engine.cache.existingClaim) -}}
 {{- end -}}
 {{- with .Values.autoscaling.provider }}{{ $_ := set $defaults "autoscalingProvider" . }}{{ end -}}
+{{- with .Values.autoscaling.kedaPrometheusAddress }}{{ $_ := set $defaults "kedaPrometheusAddress" . }}{{ end -}}
 {{- toJson $defaults -}}
 {{- end -}}
 
@@ -83,18 +84,18 @@ namespaces, of a Role in each watched namespace otherwise. Exactly the verbs it 
   verbs: [create, patch]
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
-  verbs: [create, patch, delete]
+  verbs: [get, create, patch, delete]
 # Optional children: a PodDisruptionBudget, and for spec.autoscaling an HPA (prometheus-adapter) or a KEDA
 # ScaledObject; read, applied, and deleted when the spec no longer asks for them.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, create, patch, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, create, patch, delete]
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, create, patch, delete]
 # Engine pods: watched for readiness, IPs (scraping) and termination messages.
 - apiGroups: [""]
   resources: [pods]

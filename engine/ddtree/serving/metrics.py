@@ -13,6 +13,9 @@ so the mean acceptance length over a window is 1 + d(accepted) / d(drafts).
 The process's own series (process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, ...)
 are exported too, without the model label: `ddtree soak` and leak alerts read them.
 
+Load, for autoscaling (docs/operator.md, "Autoscaling"):
+  ddtree_load   (requests holding an engine row + requests waiting) / max batch size
+
 Besides the contract, three histograms split a scheduler round into engine time and serving
 overhead (used by `bench-serve`): ddtree_engine_step_seconds, ddtree_prefill_seconds and
 ddtree_scheduler_iteration_seconds.
@@ -93,6 +96,11 @@ class ServerMetrics:
 
         self.requests_running = gauge("ddtree_requests_running", "Requests holding an engine row")
         self.requests_waiting = gauge("ddtree_requests_waiting", "Requests queued for an engine row")
+        self.load = gauge(
+            "ddtree_load",
+            "Requests holding or waiting for an engine row, over the rows (max batch size): 1 = full batches, "
+            "above 1 = requests queue",
+        )
         self.smoke_test_passed = gauge("ddtree_smoke_test_passed", "1 once the start-up smoke test passed")
         self.graph_capture_seconds = gauge("ddtree_graph_capture_seconds", "Time spent capturing CUDA graphs")
         self.kernel_compiles = counter(

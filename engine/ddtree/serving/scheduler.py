@@ -197,6 +197,7 @@ class Scheduler:
                 )
             self._waiting.append(req)
             self.metrics.requests_waiting.set(len(self._waiting))
+            self._set_load()
             self._cv.notify_all()
 
     def cancel(self, req: Request) -> None:
@@ -208,6 +209,7 @@ class Scheduler:
             try:
                 self._waiting.remove(req)
                 self.metrics.requests_waiting.set(len(self._waiting))
+                self._set_load()
             except ValueError:  # running: the engine thread releases its row before the next round
                 self._cv.notify_all()
 
@@ -259,6 +261,7 @@ class Scheduler:
                     self._free -= 1
                     admits.append(req)
                 self.metrics.requests_waiting.set(len(self._waiting))
+                self._set_load()
             start = time.perf_counter()
             for req in admits:
                 if req.cancelled:
@@ -267,6 +270,7 @@ class Scheduler:
                     self._admit(req.row, req)
             self._prefill()
             self.metrics.requests_running.set(self.running)
+            self._set_load()
             busy = bool(admits or self.running)
             if self._running:
                 self._round()
@@ -277,8 +281,15 @@ class Scheduler:
     def _update_gauges(self) -> None:
         engine = self.engine
         self.metrics.requests_running.set(self.running)
+        self._set_load()
         used = sum(engine.host_lengths[row] for row in (*self._running, *self._prefilling))
         self.metrics.kv_cache_usage_ratio.set(used / (engine.max_batch_size * engine.max_seq_len))
+
+    def _set_load(self) -> None:
+        """ddtree_load: rows claimed (requests running, or admitted and about to prefill) plus requests
+        waiting, over the engine's rows."""
+        rows = self.engine.max_batch_size
+        self.metrics.load.set((rows - self._free + len(self._waiting)) / rows)
 
     def _admit(self, row: int, req: Request) -> None:
         try:
@@ -432,6 +443,7 @@ class Scheduler:
                 self._finish(req, None)
         self.metrics.requests_running.set(0)
         self.metrics.requests_waiting.set(0)
+        self.metrics.load.set(0)
 
 
 def _empty_cache(engine) -> None:
