@@ -536,12 +536,8 @@ def test_without_tool_parsing_the_text_is_content(tokenizer, serve):
     assert plain.client.chat.completions.create(model="scripted", messages=ASK).choices[0].message.content == output
     with pytest.raises(openai.BadRequestError, match="chat/completions"):
         plain.client.completions.create(model="scripted", prompt="hi", extra_body={"tools": [WEATHER]})
-    for field, value, needle in [
-        ("logprobs", True, "log-probabilities"),
-        ("response_format", {"type": "json_object"}, "constrained decoding"),
-    ]:
-        with pytest.raises(openai.BadRequestError, match=needle):
-            plain.client.chat.completions.create(model="scripted", messages=ASK, **{field: value})
+    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+        plain.client.chat.completions.create(model="scripted", messages=ASK, response_format={"type": "json_object"})
 
 
 # ---- a real server: SmolLM2 under a tool-capable template ----------------------------------------
