@@ -306,8 +306,25 @@ def add_serve_commands(subparsers) -> None:
     p.set_defaults(handler="ddtree.serving.commands:cmd_serve")
     b = subparsers.add_parser("bench-serve", help="load generator for a running `ddtree serve`")
     b.add_argument("--url", default="http://127.0.0.1:8000")
-    b.add_argument("--concurrency", default="1,8,32,64", help="comma-separated client counts, run in turn")
-    b.add_argument("--requests-per-client", type=int, default=4)
+    b.add_argument("--concurrency", help="closed loop: comma-separated client counts, run in turn (default 1,8,32,64)")
+    b.add_argument("--requests-per-client", type=int, help="closed loop: requests each client sends (default 4)")
+    b.add_argument(
+        "--request-rate",
+        help="open loop instead of --concurrency: comma-separated request rates (per second), run in turn, "
+        "each with Poisson arrivals",
+    )
+    b.add_argument("--num-requests", type=int, help="open loop: requests per rate (default 100)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the arrival times and generated prompts (default 0)")
+    b.add_argument(
+        "--system-prompt-tokens",
+        type=int,
+        default=0,
+        help="a generated system prompt of about this many tokens, the same in every request (default none)",
+    )
+    b.add_argument(
+        "--prompt-lengths",
+        help="generated user turns of fixed:N or uniform:LO:HI tokens (default: the built-in prompts)",
+    )
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--completions", action="store_true", help="raw prompts to /v1/completions (default: chat)")
@@ -317,7 +334,7 @@ def add_serve_commands(subparsers) -> None:
         help="let requests stop at EOS (default: every request generates exactly --max-tokens)",
     )
     b.add_argument("--prompts-file", help="one prompt per line (or one JSON string per line)")
-    b.add_argument("--json", action="store_true", help="one JSON object per concurrency level")
+    b.add_argument("--json", action="store_true", help="one JSON object per level (concurrency or rate)")
     b.set_defaults(handler="ddtree.serving.commands:cmd_bench_serve")
     k = subparsers.add_parser("soak", help="bounded soak of a running `ddtree serve`: leaks, hangs, counters")
     k.add_argument("--url", default="http://127.0.0.1:8000")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 
 from ..config import FLAGS, EngineConfig, UsageError, parse_int_list
 from .app import EngineServer, serve_follower, serve_until_stopped
-from .loadgen import bench_line, bench_serve
+from .loadgen import PromptLengths, bench_line, bench_serve
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -94,10 +95,42 @@ def _client_key() -> str | None:
     return next((k.strip() for k in os.environ.get(KEYS_ENV, "").split(",") if k.strip()), None)
 
 
+def _rate_list(text: str) -> list[float]:
+    """--request-rate: '2,4,8' -> [2.0, 4.0, 8.0]."""
+    try:
+        rates = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        rates = []
+    if not rates or rates[0] <= 0 or not all(math.isfinite(r) for r in rates):
+        raise UsageError(f"--request-rate takes comma-separated positive numbers (requests per second), got '{text}'")
+    return rates
+
+
 def cmd_bench_serve(args) -> int:
-    levels = _int_list(args.concurrency, "--concurrency")
-    if args.requests_per_client < 1 or args.max_tokens < 1:
-        raise UsageError("--requests-per-client and --max-tokens must be >= 1")
+    open_loop = args.request_rate is not None
+    closed_flags = [
+        flag
+        for flag, value in (("--concurrency", args.concurrency), ("--requests-per-client", args.requests_per_client))
+        if value is not None
+    ]
+    if open_loop and closed_flags:
+        raise UsageError(
+            f"--request-rate (open loop: Poisson arrivals) and {closed_flags[0]} (closed loop: clients that send "
+            "back to back) are exclusive; give one"
+        )
+    if not open_loop and args.num_requests is not None:
+        raise UsageError("--num-requests goes with --request-rate (closed loop: --requests-per-client)")
+    rates = _rate_list(args.request_rate) if open_loop else None
+    levels = _int_list(args.concurrency or "1,8,32,64", "--concurrency")
+    requests_per_client = 4 if args.requests_per_client is None else args.requests_per_client
+    num_requests = 100 if args.num_requests is None else args.num_requests
+    if min(requests_per_client, num_requests, args.max_tokens) < 1:
+        raise UsageError("--requests-per-client, --num-requests and --max-tokens must be >= 1")
+    if args.system_prompt_tokens < 0:
+        raise UsageError(f"--system-prompt-tokens must be >= 0, got {args.system_prompt_tokens}")
+    prompt_lengths = PromptLengths.parse(args.prompt_lengths) if args.prompt_lengths else None
+    if prompt_lengths and args.prompts_file:
+        raise UsageError("--prompt-lengths generates the user turns, --prompts-file gives them: give one")
     prompts = None
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as f:
@@ -108,13 +141,18 @@ def cmd_bench_serve(args) -> int:
         bench_serve(
             args.url,
             levels,
-            args.requests_per_client,
+            requests_per_client,
             args.max_tokens,
             prompts,
             chat=not args.completions,
             temperature=args.temperature,
             ignore_eos=not args.no_ignore_eos,
             api_key=_client_key(),
+            request_rates=rates,
+            num_requests=num_requests,
+            system_prompt_tokens=args.system_prompt_tokens,
+            prompt_lengths=prompt_lengths,
+            seed=args.seed,
         )
     )
     for r in results:
