@@ -7,12 +7,11 @@ import json
 import math
 import random
 import statistics
-import threading
 
 import pytest
 
 from ddtree.cli import main
-from ddtree.config import EngineConfig, UsageError
+from ddtree.config import UsageError
 from ddtree.models.random import ByteTokenizer
 from ddtree.runtime.engine import Engine
 from ddtree.runtime.smoke import default_prompts, run_smoke
@@ -24,6 +23,7 @@ from ddtree.serving.loadgen import (
     poisson_arrivals,
     turn_lengths,
 )
+from in_process_server import InProcessServer
 
 # every key of a level's JSON line; benchmarks/report.py and benchmarks/gpu.sh read the closed-loop ones
 KEYS = {
@@ -86,34 +86,16 @@ class RecordingEngine(Engine):
 
 @pytest.fixture(scope="module")
 def server(tiny_target):
-    """EngineServer's HTTP app on 127.0.0.1 in a thread of its own; yields (url, engine)."""
-    from aiohttp import web
-
-    from ddtree.serving.app import EngineServer
-
-    config = EngineConfig.from_dict({"model": {"id": "tiny", "device": "cpu"}, "serving": {"max_seq_len": 4096}})
+    """The server over a real ar engine of the tiny model; yields (url, engine)."""
     engine = RecordingEngine(tiny_target, None, "ar", max_batch_size=8, max_seq_len=4096)
-    srv = EngineServer(config)
-    srv.report = run_smoke(engine, [1, 8], default_prompts(tiny_target.config.vocab_size), max_new_tokens=4)
-    assert srv.report.passed, srv.report.reason  # bench-serve waits for /ready, which shows this report
+    report = run_smoke(engine, [1, 8], default_prompts(tiny_target.config.vocab_size), max_new_tokens=4)
+    assert report.passed, report.reason  # bench-serve waits for /ready, which shows this report
     for row in range(engine.max_batch_size):
         engine.release(row)
-    srv.start_serving(engine, ChatByteTokenizer(tiny_target.config.vocab_size), ())
-    srv.phase = "ready"
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(srv.app())
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}", engine
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.run_until_complete(runner.cleanup())
-    loop.close()
-    srv.scheduler.stop()
-    srv.preparation.shutdown()
+    tokenizer = ChatByteTokenizer(tiny_target.config.vocab_size)
+    served = InProcessServer(engine, tokenizer, {"max_seq_len": 4096}, report=report)
+    yield served.url, engine
+    served.close()
 
 
 def system_and_user(prompt: list[int]) -> tuple[list[int], list[int]]:

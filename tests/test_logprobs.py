@@ -1,16 +1,13 @@
 """Log-probabilities of completion tokens: the engine keeps the accepted path's logits each round, and the
 server returns them in OpenAI's chat and completions shapes."""
 
-import asyncio
-import threading
-
 import openai
 import pytest
 import torch
 
-from ddtree.config import EngineConfig
 from ddtree.runtime.engine import Engine, SamplingParams
 from ddtree.speculative.drafter import DFlashDrafter
+from in_process_server import InProcessServer
 
 PROMPT = [3, 14, 15, 9, 26, 5]
 
@@ -69,33 +66,13 @@ def test_token_logprobs_are_the_targets_distribution_at_each_emitted_token(tiny_
 
 @pytest.fixture
 def server(tiny_target):
-    """EngineServer's HTTP app on 127.0.0.1 over a real engine of the tiny model (byte tokenizer)."""
-    from aiohttp import web
-
+    """The server over a real engine of the tiny model (byte tokenizer), keeping log-probabilities."""
     from ddtree.models.random import ByteTokenizer
-    from ddtree.serving.app import EngineServer
 
-    config = EngineConfig.from_dict({"model": {"id": "tiny", "device": "cpu"}, "serving": {"max_seq_len": 64}})
     engine = Engine(tiny_target, None, "ar", max_batch_size=2, max_seq_len=64, logprobs=True)
-    srv = EngineServer(config)
-    srv.start_serving(engine, ByteTokenizer(tiny_target.config.vocab_size), ())
-    srv.phase = "ready"
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(srv.app())
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield openai.OpenAI(
-        base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1", api_key="-", max_retries=0, timeout=30
-    )
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.run_until_complete(runner.cleanup())
-    loop.close()
-    srv.scheduler.stop()
-    srv.preparation.shutdown()
+    served = InProcessServer(engine, ByteTokenizer(tiny_target.config.vocab_size), {"max_seq_len": 64})
+    yield served.client()
+    served.close()
 
 
 def test_completions_logprobs_whole_and_streamed(server, tiny_target):

@@ -10,11 +10,9 @@ the model: a random model never writes a tool call, so the engine's output token
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import random
-import threading
 from collections import deque
 
 import pytest
@@ -30,6 +28,7 @@ from ddtree.serving.tools import (
     split_tool_calls,
     tool_call_format,
 )
+from in_process_server import InProcessServer
 
 MODEL = "smollm2-135m-instruct"
 HERMES, KIMI = FORMATS["hermes"], FORMATS["kimi_k2"]
@@ -394,53 +393,26 @@ class ScriptedEngine:
         self.rows.pop(row, None)
 
 
-class InProcessServer:
-    """EngineServer's HTTP app on 127.0.0.1 in a thread of its own, over a ScriptedEngine."""
+class ScriptedServer(InProcessServer):
+    """The server over a ScriptedEngine."""
 
     def __init__(self, tokenizer, parser: str = "auto"):
-        from aiohttp import web
-
-        from ddtree.serving.app import EngineServer
-
-        config = EngineConfig.from_dict(
-            {"model": {"id": "scripted", "device": "cpu"}, "serving": {"max_seq_len": 1024, "tool_call_parser": parser}}
-        )
-        self.tokenizer = tokenizer
-        self.engine = ScriptedEngine(tokenizer.eos_token_id)
-        self.server = EngineServer(config)
-        self.server.start_serving(self.engine, tokenizer, (tokenizer.eos_token_id,))
-        self.server.phase = "ready"
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(self.server.app())
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        port = self.runner.addresses[0][1]
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        import openai
-
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=30)
+        engine = ScriptedEngine(tokenizer.eos_token_id)
+        serving = {"max_seq_len": 1024, "tool_call_parser": parser}
+        super().__init__(engine, tokenizer, serving, (tokenizer.eos_token_id,), model="scripted")
+        self.client = super().client()
 
     def script(self, text: str) -> None:
         """The next request's output: `text`, tokenized (control-token text as the control tokens)."""
         self.engine.scripts.append(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.run_until_complete(self.runner.cleanup())
-        self.loop.close()
-        self.server.scheduler.stop()
-        self.server.preparation.shutdown()
 
 
 @pytest.fixture
 def serve():
     servers = []
 
-    def start(tokenizer, parser: str = "auto") -> InProcessServer:
-        servers.append(InProcessServer(tokenizer, parser))
+    def start(tokenizer, parser: str = "auto") -> ScriptedServer:
+        servers.append(ScriptedServer(tokenizer, parser))
         return servers[-1]
 
     yield start
