@@ -53,7 +53,7 @@ format: setup
 	$(VENV)/bin/ruff format $(LINT_PATHS)
 	$(VENV)/bin/ruff check --fix $(LINT_PATHS)
 
-# Engine unit tests on tiny random models (no control plane, no real model): the quick loop, about 4
+# Engine unit tests on tiny random models (no control plane, no real model): the quick loop, about 5.5
 # minutes on 2 cores. Skips the tests marked slow and the Triton-interpreter ones. One OpenMP thread per
 # process: tiny models gain nothing from more, and threads of concurrent processes (CLI subprocesses,
 # other jobs) spinning on a small machine's shared cores made some tests 20 times slower.
