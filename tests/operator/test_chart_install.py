@@ -94,7 +94,7 @@ def test_namespaced_mode_runs_the_operator_without_cluster_wide_workload_access(
         f"--kubeconfig={cluster.kubeconfig}",
         f"--namespace={release_namespace}",
         f"--set=operator.watchNamespaces={{{watched}}}",
-        "--set=crds.install=false",  # the session's chart installed it
+        "--set=crds.install=false",  # the CRD is already there: the chart_installed fixture installed it
         "--set=rbac.userRoles=false",
     )  # fmt: skip
     try:
@@ -177,7 +177,7 @@ def test_installs_as_a_subchart_with_global_values(cluster, chart_installed, nam
             {
                 "global": {"imageRegistry": "registry.example", "labels": {"team": "llm"}},
                 "ddtree": {
-                    "crds": {"install": False},  # the session's chart installed it
+                    "crds": {"install": False},  # the CRD is already there: the chart_installed fixture installed it
                     "engine": {"nodeGpus": 4},
                     "dashboards": {"enabled": True},
                 },

@@ -221,7 +221,7 @@ class Engine:
             return None
         del self.prefills[row]
         assert hidden is not None
-        return self._start(row, job, hidden)
+        return self._start([row], [len(job.prompt)], job.params, hidden[None])[0]
 
     def prefill_span(self, start: int, tokens: int) -> int:
         """Cache slots a prefill chunk of `tokens` (padded) tokens at `start` attends over: a span bucket."""
@@ -250,26 +250,27 @@ class Engine:
             self.drafter.append_context(taps, positions, ctx_slots, rows=rows)
         return hidden[0, r - 1]
 
-    def _start(self, row: int, job: Prefill, hidden: Tensor) -> int:
-        """Activate a prefilled row: its first token from the prompt's last hidden state."""
-        params, n = job.params, len(job.prompt)
+    def _start(self, rows: list[int], lengths: list[int], params: SamplingParams, last: Tensor) -> list[int]:
+        """Activate prefilled rows (prompts of `lengths` tokens): their first tokens from each prompt's last
+        hidden state, last [k, H]."""
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
-        self.lengths[row] = n
-        self.ctx_count[row] = 0
-        self.active[row] = True
-        self.temperature[row] = params.temperature
-        self.top_p[row] = params.top_p
-        self.host_lengths[row] = n
-        self.host_sampling[row] = params.temperature > 0
-        self.host_active[row] = True
-        logits = self.target.logits(hidden.view(1, 1, -1))
+        index = torch.tensor(rows, device=self.device)
+        self.lengths[index] = torch.tensor(lengths, device=self.device)
+        self.ctx_count[index] = 0
+        self.active[index] = True
+        self.temperature[index] = params.temperature
+        self.top_p[index] = params.top_p
+        for row, n in zip(rows, lengths):
+            self.host_lengths[row] = n
+            self.host_sampling[row] = params.temperature > 0
+            self.host_active[row] = True
+        logits = self.target.logits(last[:, None])
         if self.path_logits is not None:
-            self.path_logits[row, 0].copy_(logits[0, 0, : self.path_logits.shape[-1]])
-        index = slice(row, row + 1)
+            self.path_logits[index, 0] = logits[:, 0, : self.path_logits.shape[-1]]
         first = decide(logits, self.temperature[index], self.top_p[index], self.generator, params.temperature > 0)
-        self.bonus[row] = first[0, 0]
-        return int(first[0, 0])
+        self.bonus[index] = first[:, 0]
+        return first[:, 0].tolist()
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -285,7 +286,7 @@ class Engine:
                 if real > 0 and self._padded(real) == size and self.prefill_span(at, size) == span:
                     self._prefill_chunk(0, [0] * real, at)
         for temperature in (0.0, 1.0):
-            self._start(0, Prefill([0], SamplingParams(temperature=temperature)), self._prefill_chunk(0, [0], 0))
+            self._start([0], [1], SamplingParams(temperature=temperature), self._prefill_chunk(0, [0], 0)[None])
         self.release(0)
         self.warm_up_seconds = time.perf_counter() - start
         return self.warm_up_seconds
@@ -310,22 +311,8 @@ class Engine:
         if self.drafter is not None:
             ctx_slots = torch.where(real, j, self.drafter.max_slots)
             self.drafter.append_context(taps, positions, ctx_slots, rows=index)
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        self.lengths[index] = n
-        self.ctx_count[index] = 0
-        self.active[index] = True
-        self.temperature[index] = params.temperature
-        self.top_p[index] = params.top_p
-        for row, prompt in zip(rows, prompts):
-            self.host_lengths[row] = len(prompt)
-            self.host_sampling[row] = params.temperature > 0
-            self.host_active[row] = True
         last = hidden[torch.arange(len(prompts), device=dev), n - 1]  # each prompt's last token
-        logits = self.target.logits(last[:, None])
-        first = decide(logits, self.temperature[index], self.top_p[index], self.generator, params.temperature > 0)
-        self.bonus[index] = first[:, 0]
-        return first[:, 0].tolist()
+        return self._start(rows, [len(p) for p in prompts], params, last)
 
     def token_logprobs(self, row: int, tokens: list[int], top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
         """Log-probabilities, under the target's distribution (before temperature and top-p), of the tokens
