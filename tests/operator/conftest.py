@@ -36,6 +36,15 @@ from kube_testbed import (
 
 
 @pytest.fixture(scope="session")
+def helm() -> str:
+    """The helm binary of the control-plane build (the chart tests render and lint with it)."""
+    path = BIN_DIR / "helm"
+    if not os.access(path, os.X_OK):
+        missing(f"{path} is missing")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> Cluster:
     for binary in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "helm"):
         if not os.access(BIN_DIR / binary, os.X_OK):

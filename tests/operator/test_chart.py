@@ -1,23 +1,13 @@
 """The Helm chart: lint, schema-validated values, least-privilege RBAC, what the operator Deployment runs."""
 
 import json
-import os
 import subprocess
 
 import pytest
 import yaml
 
 from ddtree_operator.render import engine_defaults_from_env
-from kube_testbed import BIN_DIR, CHART, OPERATOR_NAMESPACE, OPERATOR_SA, missing
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    path = BIN_DIR / "helm"
-    if not os.access(path, os.X_OK):
-        missing(f"{path} is missing")
-    return str(path)
-
+from kube_testbed import CHART, OPERATOR_NAMESPACE, OPERATOR_SA
 
 RBAC_GROUP = "rbac.authorization.k8s.io"
 DIGEST = "sha256:" + "0123456789abcdef" * 4

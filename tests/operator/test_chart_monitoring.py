@@ -5,7 +5,6 @@ own plus those prometheus-operator puts on every target of the PodMonitor the op
 """
 
 import json
-import os
 import re
 import subprocess
 
@@ -15,7 +14,7 @@ import yaml
 from ddtree.serving.metrics import ServerMetrics
 from ddtree_operator.api import SpeculativeDeploymentSpec
 from ddtree_operator.render import Owner, render_pod_monitor
-from kube_testbed import BIN_DIR, CHART, EXAMPLES, missing
+from kube_testbed import CHART, EXAMPLES
 
 # What prometheus-operator puts on every series scraped through a PodMonitor (its target labels).
 POD_MONITOR_TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance"}
@@ -68,14 +67,6 @@ def made_labels(expr: str) -> set[str]:
     """Labels an expression creates itself (count_values, label_replace/label_join targets)."""
     made = set(re.findall(r'count_values\s*(?:by\s*\([^)]*\)\s*)?\(\s*"(\w+)"', expr))
     return made | set(re.findall(r'label_(?:replace|join)\s*\(.*?,\s*"(\w+)"', expr))
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    path = BIN_DIR / "helm"
-    if not os.access(path, os.X_OK):
-        missing(f"{path} is missing")
-    return str(path)
 
 
 def rendered(helm: str) -> list[dict]:
