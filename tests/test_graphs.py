@@ -109,3 +109,26 @@ def test_sampling_graph_is_seeded_and_replays():
     a = engine.generate(PROMPTS[:2], sp)
     b = engine.generate(PROMPTS[:2], sp)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+@gpu
+def test_budget_auto_captures_every_candidate_times_it_and_stays_lossless():
+    sp = SamplingParams(max_new_tokens=24)
+    reference = make("cuda", "ar", None).generate(PROMPTS, sp)  # the same seeded target
+    engine = make("cuda", "ddtree", "auto", batch=4)
+    engine.capture_graphs([1, 2, 4], [128])
+    assert len(engine.graphs.graphs) == 3 * 5, "one graph per bucket and candidate budget"
+    costs = engine.measure_budgets()
+    assert set(costs) == {(1, 128), (2, 128), (4, 128)} and all(set(t) == {0, 8, 16, 32, 64} for t in costs.values())
+    assert all(s > 0 for t in costs.values() for s in t.values())
+    chosen = []
+    step = engine._step
+    engine._step = lambda n: chosen.append(engine.plan(n).budget) or step(n)
+    rounds = engine.eager_rounds
+    got = engine.generate(PROMPTS, sp)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference]
+    assert engine.eager_rounds == rounds, "every chosen budget replays a graph"
+    assert chosen[0] == 64 and len(set(chosen)) > 1, chosen  # a random drafter: drafting stops paying
+    engine._step = step
+    report = run_smoke(engine, [1, 2, 4], PROMPTS, max_new_tokens=6)
+    assert report.passed and report.mode == "cuda-graphs", report.reason

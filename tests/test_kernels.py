@@ -256,8 +256,11 @@ def check_best_first_tree(device):
         ref = build_ddtree(roots, logits, budget)
         got = build_ddtree_triton(roots, logits, budget)
         assert got.tokens.shape == (3, budget + 1) and got.visible.shape == (3, budget + 1, budget + 1)
-        got = type(got)(*(t.cpu() for t in (got.tokens, got.parents, got.depth, got.valid, got.visible)))
+        got = type(got)(*(t.cpu() for t in (got.tokens, got.parents, got.depth, got.valid, got.visible, got.scores)))
         assert torch.equal(got.valid, ref.valid.cpu()), case
+        # both best first: the same path scores in the same (non-increasing) order, padding -inf
+        torch.testing.assert_close(got.scores, ref.scores.cpu(), atol=1e-4, rtol=1e-5)
+        assert torch.all(got.scores[:, 2:] <= got.scores[:, 1:-1]), case
         for row in range(3):
             check_structure(got, row)
             assert set(tree_paths(got, row)) == set(tree_paths(ref, row)), (case, row)

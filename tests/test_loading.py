@@ -478,6 +478,8 @@ def test_smollm2_folder(smollm2, monkeypatch):
     assert config["tie_word_embeddings"] is True and config["model_type"] == "llama"
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (9, 3, 64)
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    # what the operator checks specs against without converting the GGUF
+    assert config == loading.BUILTIN_MODELS["smollm2-135m-instruct"].config
     state = loading.load_state_dict(smollm2)
     assert "lm_head.weight" not in state and state["model.embed_tokens.weight"].shape == (49152, 576)
 

@@ -119,10 +119,16 @@ class ScriptedEngine:
         self.gate = threading.Event()
         self.gate.set()
 
+    budgets = None  # a fixed budget, not auto
+
     def plan(self, n):
         from ddtree.runtime.plan import RoundPlan
 
         return RoundPlan(self.max_batch_size, True, self.budget, self.tree_size, 8)
+
+    @property
+    def last_plan(self):
+        return self.plan(1)
 
     def add(self, row, prompt, params):
         tokens, sizes = self.scripts[prompt[0]]

@@ -357,6 +357,7 @@ class ScriptedEngine:
     script per request, in order) and handed out three per round; the prompts it got are kept."""
 
     max_batch_size, max_seq_len, budget, tree_size, prefill_sizes = 2, 1024, 2, 3, (2048,)
+    budgets = None  # a fixed budget, not auto
 
     def __init__(self, eos: int):
         self.eos = eos
@@ -369,6 +370,10 @@ class ScriptedEngine:
         from ddtree.runtime.plan import RoundPlan
 
         return RoundPlan(self.max_batch_size, True, self.budget, self.tree_size, 8)
+
+    @property
+    def last_plan(self):
+        return self.plan(1)
 
     def check_request(self, prompt, params) -> None:
         pass

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from .config import KERNEL_CHOICES, SMOKE_FAULTS, TOOL_CALL_PARSERS, KernelConfig, UsageError
+from .config import AUTO, KERNEL_CHOICES, SMOKE_FAULTS, TOOL_CALL_PARSERS, KernelConfig, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,12 +22,15 @@ class _Parser(argparse.ArgumentParser):
 BUDGET_HELP = (
     "DDTree node budget B (verify width B+1), or one per batch size: 1:32,16:8 runs B=32 for up "
     "to 1 sequence, 8 for up to 16 and beyond; budget 0 decodes without drafting at those batch "
-    "sizes (1:32,16:8,64:0; `ddtree bench` prints the measured best); default block_size-1"
+    "sizes (1:32,16:8,64:0; `ddtree bench` prints the measured best); or auto: chosen every round from the "
+    "draft's own forecast and measured round times (serve's default for ddtree; elsewhere block_size-1)"
 )
 
 
-def parse_budget(text: str) -> int | dict[int, int]:
-    """--budget: an integer, or BATCH:BUDGET pairs (batch sizes should be graph batch buckets)."""
+def parse_budget(text: str) -> int | dict[int, int] | str:
+    """--budget: an integer, BATCH:BUDGET pairs (batch sizes should be graph batch buckets) or auto."""
+    if text == AUTO:
+        return text
     try:
         if ":" not in text:
             value = int(text)
@@ -37,7 +40,7 @@ def parse_budget(text: str) -> int | dict[int, int]:
         policy = {int(n): int(b) for n, b in (part.split(":") for part in text.split(","))}
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--budget takes an integer or BATCH:BUDGET pairs like 1:32,16:8, got '{text}'"
+            f"--budget takes an integer, BATCH:BUDGET pairs like 1:32,16:8 or auto, got '{text}'"
         ) from None
     if min(policy) < 1 or min(policy.values()) < 0:
         raise argparse.ArgumentTypeError(f"--budget: batch sizes must be >= 1 and budgets >= 0, got '{text}'")

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+AUTO = "auto"  # speculation.budget chosen every round (ddtree.runtime.budget)
+
 METHODS = ("ar", "dflash", "ddtree")
 KERNEL_CHOICES = ("auto", "torch", "triton")
 TOOL_CALL_PARSERS = ("auto", "hermes", "kimi_k2", "none")  # ddtree.serving.tools.FORMATS, auto and none
@@ -70,7 +72,9 @@ class ModelRef:
 @dataclass(frozen=True)
 class SpeculationConfig:
     method: str = "ddtree"  # ar | dflash | ddtree
-    budget: int | dict[int, int] | None = None  # node budget, or {max batch size: budget}; default block_size-1
+    # node budget, {max batch size: budget}, or "auto" (chosen every round; serve's default for ddtree);
+    # default elsewhere block_size-1
+    budget: int | dict[int, int] | str | None = None
     block_size: int | None = None  # expected drafter block size (checked against the drafter)
 
 
@@ -218,12 +222,16 @@ def _coerce(path: str, value, annotation: str, name: str):
     return value
 
 
-def _budget(value, name: str) -> int | dict[int, int]:
+def _budget(value, name: str) -> int | dict[int, int] | str:
+    if value == AUTO:
+        return value
     if isinstance(value, str):  # the flag's syntax: 32 or 1:32,16:8
         try:
             value = int(value) if ":" not in value else dict(p.split(":") for p in value.split(","))
         except ValueError:
-            raise ConfigError(f"{name} takes an integer or BATCH:BUDGET pairs like 1:32,16:8, got '{value}'") from None
+            raise ConfigError(
+                f"{name} takes an integer, BATCH:BUDGET pairs like 1:32,16:8 or '{AUTO}', got '{value}'"
+            ) from None
     if _int(value):
         if value < 0:
             raise ConfigError(f"{name} must be >= 0, got {value}")
@@ -372,6 +380,9 @@ class EngineConfig:
         if isinstance(s.budget, dict) and s.method != "ddtree":
             method = n("speculation.method")
             raise ConfigError(f"a budget per batch size needs {method} ddtree (got {method} {s.method})")
+        if s.budget == AUTO and s.method != "ddtree":
+            method = n("speculation.method")
+            raise ConfigError(f"{n('speculation.budget')} {AUTO} needs {method} ddtree (got {method} {s.method})")
         if s.block_size is not None and s.block_size < 2:
             raise ConfigError(f"{n('speculation.block_size')} must be >= 2, got {s.block_size}")
         if k.backend not in KERNEL_CHOICES:
@@ -427,7 +438,7 @@ class EngineConfig:
         )
         drafter = self.model.drafter
         if default_drafter and self.speculation.method != "ar" and not drafter:
-            from .models.checkpoint import DEFAULT_DRAFTERS
+            from .models.builtin import DEFAULT_DRAFTERS
 
             drafter = DEFAULT_DRAFTERS.get(self.model.id)
             if drafter is None:

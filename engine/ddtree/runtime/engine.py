@@ -33,11 +33,21 @@ from torch import Tensor
 from ..models.llama import Transformer
 from ..speculative.dflash2 import DFlash2Drafter
 from ..speculative.drafter import DFlashDrafter, DrafterMismatchError
-from ..speculative.tree import Tree, build_chain, chain, root_only
+from ..speculative.tree import Tree, build_chain, chain, expected_accepted, root_only
 from ..speculative.verify import decide, tree_mask, walk
+from .budget import BudgetController
 from .fused import tree_builder, use_backend, use_drafter_backend
 from .graphs import default_span_buckets
-from .plan import RoundPlan, check_budget, needs_drafter, round_plans, round_sizes
+from .plan import (
+    AUTO,
+    AUTO_BUDGETS,
+    RoundPlan,
+    candidate_plans,
+    check_budget,
+    needs_drafter,
+    round_plans,
+    round_sizes,
+)
 
 if TYPE_CHECKING:
     from .graphs import RoundGraphs
@@ -48,6 +58,7 @@ SMALLEST_PREFILL = 16
 
 
 PREFILL_STEP = 128  # above this, prefill sizes grow by this much, not doubling: padding wastes < 128 tokens
+FORECAST_SCALE = 1000  # forecasts travel in the integer readout as thousandths of a token
 
 
 def prefill_sizes(largest: int) -> tuple[int, ...]:
@@ -106,7 +117,7 @@ class Engine:
         target: Transformer,
         drafter: DFlashDrafter | None = None,
         method: str = "ddtree",
-        budget: int | dict[int, int] | None = None,
+        budget: int | dict[int, int] | str | None = None,
         max_batch_size: int = 1,
         max_seq_len: int = 2048,
         prefill_chunk: int = PREFILL_CHUNK,
@@ -133,6 +144,7 @@ class Engine:
         self.budget, self.max_depth, self.tree_size = round_sizes(method, largest, block)
         self.block_size = block
         self.plans = round_plans(method, budget, block, self.drafter is not None, max_batch_size)
+        self.pinned: RoundPlan | None = None  # a plan every round runs, whatever its row count (pinned_plan)
         self.tap_layers = tuple(self.drafter.config.target_layer_ids) if self.drafter else ()
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # room past the committed text for the tree (target) and the block (drafter)
@@ -166,14 +178,23 @@ class Engine:
         # tapped target states of the last accepted path, not yet in the drafter cache
         self.ctx_features = torch.zeros(b, self.max_depth + 1, feat, dtype=dtype, device=dev)
         self.ctx_count = torch.zeros(b, dtype=torch.long, device=dev)
-        # round output: [accepted, emitted tokens (max_depth + 1)]
-        self.readout = torch.zeros(b, self.max_depth + 2, dtype=torch.long, device=dev)
+        # budget auto: each drafting round forecasts the acceptance of every drafting budget (runtime/budget.py)
+        self.budgets: BudgetController | None = None
+        forecast = tuple(x for x in AUTO_BUDGETS if x > 0) if budget == AUTO and self.drafter is not None else ()
+        if forecast:
+            self.budgets = BudgetController(forecast, max_batch_size)
+        self.forecast_budgets = torch.tensor(forecast, dtype=torch.long, device=dev)
+        # round output: [accepted, emitted tokens (max_depth + 1), forecasts (thousandths of a token)]
+        self.readout = torch.zeros(b, self.max_depth + 2 + len(forecast), dtype=torch.long, device=dev)
         self.node_max_logit = torch.zeros(b, self.tree_size, device=dev)
         # with logprobs: the target's logits at the nodes of the last accepted path (each emitted token's
         # distribution), copied in the round so that `token_logprobs` can read them after the sync
         vocab = target.config.vocab_size
         self.path_logits = torch.zeros(b, self.max_depth + 1, vocab, dtype=dtype, device=dev) if logprobs else None
         self.graphs: RoundGraphs | None = None  # once capture_graphs() ran
+        # budget auto: the last round's forecasts per row, and their sum over its rows at the budget it ran
+        self.last_forecasts: list[list[int]] = []
+        self.last_forecast = 0.0
         self.last_plan: RoundPlan | None = None  # the plan of the last round step() ran
         self.eager_rounds = 0
         self.phase_events: list | None = None
@@ -329,6 +350,8 @@ class Engine:
 
     def release(self, row: int) -> None:
         self.prefills.pop(row, None)
+        if self.budgets is not None:
+            self.budgets.reset(row)
         self.active[row] = False
         self.lengths[row] = 0  # idle rows stay at length 0, inside every attention span
         self.host_sampling[row] = False
@@ -341,19 +364,25 @@ class Engine:
         """The round plan of n rows: whether the round drafts, its budget, tree size and drafter block."""
         if not 1 <= n <= self.max_batch_size:
             raise ValueError(f"no round on {n} rows: this engine has 1 to {self.max_batch_size}")
-        return self.plans[n - 1]
+        return self.pinned or self.plans[n - 1]
+
+    def candidates(self, n: int) -> tuple[RoundPlan, ...]:
+        """The plans a round on n rows may run: the budget auto candidates, or its one plan."""
+        if self.budgets is None:
+            return (self.plans[n - 1],)
+        return candidate_plans(n, self.block_size, True, self.max_batch_size)
 
     @contextmanager
     def pinned_plan(self, plan: RoundPlan) -> Iterator[None]:
         """Run every round under `plan` (one of this engine's plans), whatever its row count, until the block
         ends: the smoke test's eager references run each prompt alone under the plan of the batch they
-        check."""
-        plans = self.plans
-        self.plans = (replace(plan, batch=self.max_batch_size),) * self.max_batch_size
+        check, and graph capture runs each candidate of budget auto."""
+        pinned = self.pinned
+        self.pinned = replace(plan, batch=self.max_batch_size)
         try:
             yield
         finally:
-            self.plans = plans
+            self.pinned = pinned
 
     def span_needed(self, n: int) -> int:
         """Cache slots a round on rows [0, n) attends over: the longest text plus the tree or block."""
@@ -422,7 +451,13 @@ class Engine:
         self._mark("draft")
         if self.method == "dflash":
             return build_chain(self.bonus[:n], draft_logits)
-        return self.build_ddtree(self.bonus[:n], draft_logits, plan.budget)
+        if self.budgets is None:
+            return self.build_ddtree(self.bonus[:n], draft_logits, plan.budget)
+        # budget auto: the largest tree, whose first nodes are the tree of each smaller budget, forecasts them all
+        tree = self.build_ddtree(self.bonus[:n], draft_logits, self.budget)
+        forecast = expected_accepted(tree.scores, self.forecast_budgets) * FORECAST_SCALE
+        self.readout[:n, self.max_depth + 2 :].copy_(forecast.round())
+        return tree.prefix(plan.budget + 1)
 
     def round(self, n: int, span: int, sampling: bool) -> None:
         """One draft-tree-verify-walk-commit round on rows [0, n), attending over `span` cache slots.
@@ -456,7 +491,7 @@ class Engine:
         lengths.copy_(torch.where(active, lengths + w.accepted, lengths))
         self.bonus[:n].copy_(w.bonus)
         self.readout[:n, 0].copy_(w.accepted)
-        self.readout[:n, 1:].copy_(w.emitted)
+        self.readout[:n, 1 : self.max_depth + 2].copy_(w.emitted)
         self._mark("walk")
 
     def _mark(self, phase: str) -> None:
@@ -466,9 +501,36 @@ class Engine:
             event.record()
             self.phase_events.append((phase, event))
 
+    def choose_budget(self, n: int) -> int:
+        """Budget auto: the budget of the next round on rows [0, n) (the largest until measure_budgets ran)."""
+        assert self.budgets is not None
+        if not self.budgets.costs:
+            return self.plans[n - 1].budget
+        rows = [r for r in range(n) if self.host_active[r]]
+        return self.budgets.choose(n, self.span_needed(n), rows)
+
     @torch.inference_mode()
-    def step(self, n: int) -> list[list[int]]:
-        """Run one round on rows [0, n) and return, per row, the tokens it emitted (idle rows: [])."""
+    def step(self, n: int, budget: int | None = None) -> list[list[int]]:
+        """Run one round on rows [0, n) and return, per row, the tokens it emitted (idle rows: []). With
+        budget auto the round runs `budget` (default: choose_budget's), unless a plan is pinned."""
+        if self.budgets is None or self.pinned is not None:
+            return self._step(n)
+        if budget is None:
+            budget = self.choose_budget(n)
+        plan = next(p for p in self.candidates(n) if p.budget == budget)
+        self.budgets.round_started(time.perf_counter(), n, self.span_needed(n), budget)
+        with self.pinned_plan(plan):
+            out = self._step(n)
+        rows = [r for r in range(n) if self.host_active[r]]
+        self.last_forecast = 0.0
+        if plan.drafts:
+            forecasts = [[v / FORECAST_SCALE for v in self.last_forecasts[r]] for r in rows]
+            self.budgets.observe(budget, rows, [len(out[r]) for r in rows], forecasts)
+            at = self.budgets.forecast_budgets.index(budget)
+            self.last_forecast = sum(f[at] for f in forecasts)
+        return out
+
+    def _step(self, n: int) -> list[list[int]]:
         sampling = any(self.host_sampling[:n])
         needed = self.span_needed(n)
         plan, last = self.plan(n), self.last_plan
@@ -482,8 +544,10 @@ class Engine:
             self.eager_rounds += 1
             self.round(n, min(self.max_slots, -(-needed // 128) * 128), sampling)
         readout = self.readout[:n].tolist()  # the one host sync of the round
+        forecast_at = self.max_depth + 2
+        self.last_forecasts = [result[forecast_at:] for result in readout]
         out: list[list[int]] = []
-        for row, result in enumerate(readout):  # [accepted, emitted tokens]
+        for row, result in enumerate(readout):  # [accepted, emitted tokens, forecasts]
             if not self.host_active[row]:
                 out.append([])
                 continue
@@ -507,6 +571,45 @@ class Engine:
         self.graphs = RoundGraphs(self, buckets, span_buckets, fallback)
         return self.graphs.capture(sampling)
 
+    @torch.inference_mode()
+    def measure_budgets(self, repeats: int = 3) -> dict[tuple[int, int], dict[int, float]]:
+        """Budget auto: the round time of every candidate budget per batch bucket, which choose_budget weighs
+        forecasts against. With CUDA graphs, each greedy graph's replay (so per attention span too);
+        eagerly, a round per batch bucket at the smallest span, after one warm-up round. Must run while no
+        request is active; returns {(batch bucket, span): {budget: seconds}}."""
+        if self.budgets is None:
+            return {}
+        if any(self.host_active):
+            raise RuntimeError("measure budgets before admitting requests")
+        if self.graphs is not None:
+            costs = self.graphs.time_replays(repeats)
+        else:
+            costs = {}
+            span = self.span_buckets[0]
+            for bucket in sorted(
+                {b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_batch_size} | {self.max_batch_size}
+            ):
+                table = costs.setdefault((bucket, self.max_slots), {})
+                for plan in self.candidates(bucket):
+                    with self.pinned_plan(plan):
+                        self.round(bucket, span, False)
+                        times = []
+                        for _ in range(repeats):
+                            self._sync()
+                            start = time.perf_counter()
+                            self.round(bucket, span, False)
+                            self._sync()
+                            times.append(time.perf_counter() - start)
+                    table[plan.budget] = sorted(times)[len(times) // 2]
+            self.lengths.zero_()
+            self.ctx_count.zero_()
+        self.budgets.costs = costs
+        return costs
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---- offline batch generation -----------------------------------------------------------
 
     @torch.inference_mode()
@@ -524,6 +627,8 @@ class Engine:
         n = len(prompts)
         for row in range(self.max_batch_size):
             self.release(row)
+        if self.budgets is not None and not self.budgets.costs:
+            self.measure_budgets()
         start = time.perf_counter()
         out: list[list[int]] = [[] for _ in prompts]
         accepted: list[list[int]] = [[] for _ in prompts]

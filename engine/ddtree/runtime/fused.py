@@ -480,7 +480,7 @@ def use_drafter_backend(drafter: DFlashDrafter, backend: str) -> None:
 
 def build_ddtree_triton(roots: Tensor, draft_logits: Tensor, budget: int) -> Tree:
     """build_ddtree's set in one Triton launch (kernels.best_first_tree, the paper's heap): about 90
-    fewer kernels per round at D = 15. Nodes are in pop order, not depth-major."""
+    fewer kernels per round at D = 15. Nodes are in pop order: best first, like build_ddtree."""
     top_lp, top_tok = top_candidates(draft_logits, budget)
     return Tree(*kernels.best_first_tree(roots, top_lp, top_tok, budget))
 

@@ -1,10 +1,12 @@
-"""CUDA graphs of whole rounds, one per (batch bucket, attention-span bucket, sampling).
+"""CUDA graphs of whole rounds, one per (batch bucket, attention-span bucket, sampling, candidate plan).
 
 A graph replays `Engine.round` on rows [0, bucket): draft at block_size tokens per sequence, verify
 at budget + 1, walk and compaction, all reading and writing the engine's persistent buffers, so a
 replay needs no input copies. Widths come from the bucket's round plan (`Engine.plan`: drafter block
 when it drafts, tree size from its budget) and are recorded with each graph; a replay for a shape that
 was not captured raises GraphShapeError naming both shapes, or runs eagerly when `fallback` is set.
+With budget auto, every candidate plan of a bucket (Engine.candidates) gets its graphs, and
+`time_replays` measures each one for the budget controller.
 """
 
 from __future__ import annotations
@@ -88,22 +90,50 @@ class RoundGraphs:
         for samp in sampling:
             for span in self.span_buckets:
                 for batch in self.batch_buckets:
-                    shape = self.shape(batch, span, samp)
-                    with torch.cuda.stream(stream):
-                        e.round(batch, span, samp)  # warm-up: allocator and kernel selection
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    if samp:
-                        graph.register_generator_state(e.generator)
-                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                        e.round(batch, span, samp)
-                    self.pool = graph.pool()  # graphs never run concurrently: share one memory pool
-                    self.graphs[shape] = graph
+                    for plan in e.candidates(batch):
+                        with e.pinned_plan(plan):
+                            self._capture(batch, span, samp, stream)
         torch.cuda.synchronize()
         e.lengths.zero_()
         e.ctx_count.zero_()
         self.capture_seconds += time.perf_counter() - start
         return self.capture_seconds
+
+    def _capture(self, batch: int, span: int, sampling: bool, stream: torch.cuda.Stream) -> None:
+        e = self.engine
+        with torch.cuda.stream(stream):
+            e.round(batch, span, sampling)  # warm-up: allocator and kernel selection
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if sampling:
+            graph.register_generator_state(e.generator)
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            e.round(batch, span, sampling)
+        self.pool = graph.pool()  # graphs never run concurrently: share one memory pool
+        self.graphs[self.shape(batch, span, sampling)] = graph
+
+    @torch.inference_mode()
+    def time_replays(self, repeats: int = 3) -> dict[tuple[int, int], dict[int, float]]:
+        """The median replay time of every greedy graph, {(batch, span): {budget: seconds}} (budget: verify
+        tokens - 1). Must run while no request is active, like capture."""
+        e = self.engine
+        costs: dict[tuple[int, int], dict[int, float]] = {}
+        for shape, graph in self.graphs.items():
+            if shape.sampling:
+                continue
+            graph.replay()
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            costs.setdefault((shape.batch, shape.span), {})[shape.verify_tokens - 1] = sorted(times)[repeats // 2]
+        e.lengths.zero_()
+        e.ctx_count.zero_()
+        return costs
 
     def run(self, n: int, span_needed: int, sampling: bool) -> bool:
         """Replay the smallest captured graph covering n sequences and span_needed slots.

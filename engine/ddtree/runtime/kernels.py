@@ -285,6 +285,7 @@ if triton is not None:
         depth_ptr,
         valid_ptr,
         visible_ptr,
+        scores_ptr,
         D,
         K,
         N,
@@ -311,6 +312,7 @@ if triton is not None:
         tl.store(parents_ptr + out, -1)
         tl.store(depth_ptr + out, 0)
         tl.store(valid_ptr + out, 1)
+        tl.store(scores_ptr + out, 0.0)
         tl.store(vis + cols, (cols == 0).to(tl.int8), mask=cols < N)
         for j in range(B):
             i = j + 1  # node i; node 0 is the root
@@ -330,6 +332,7 @@ if triton is not None:
             tl.store(parents_ptr + out + i, tl.where(ok, p_i, 0))
             tl.store(depth_ptr + out + i, tl.where(ok, d_i, 1))
             tl.store(valid_ptr + out + i, ok.to(tl.int8))
+            tl.store(scores_ptr + out + i, s)  # -inf for padding
             # next sibling: same parent, next rank at this depth
             sib_ok = ok & (r_i + 1 < K)
             sib = tl.load(lp + (d_i - 1) * K + r_i + 1, mask=sib_ok, other=0.0)
@@ -740,8 +743,9 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
 
     top_lp / top_tok [bs, D, K]: each draft row's K most probable log-probabilities (descending) and
     tokens. Returns tokens, parents, depth [bs, N] (int64), valid [bs, N] and visible [bs, N, N]
-    (bool), N = budget + 1, nodes in pop order (so a parent precedes its children); padded nodes
-    (fewer prefixes than the budget) are invalid and see only themselves."""
+    (bool) and scores [bs, N] (float32 path log-probabilities), N = budget + 1, nodes in pop order (best
+    first, so a parent precedes its children); padded nodes (fewer prefixes than the budget) are invalid,
+    score -inf and see only themselves."""
     bs, depth, k = top_lp.shape
     n, dev = budget + 1, top_lp.device
     top_lp, top_tok = top_lp.float().contiguous(), top_tok.contiguous()
@@ -749,6 +753,7 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
     parents, node_depth = torch.empty_like(tokens), torch.empty_like(tokens)
     valid = torch.empty(bs, n, dtype=torch.int8, device=dev)
     visible = torch.empty(bs, n, n, dtype=torch.bool, device=dev)
+    scores = torch.empty(bs, n, dtype=torch.float32, device=dev)
     _best_first_tree_kernel[(bs,)](
         top_lp,
         top_tok,
@@ -758,6 +763,7 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
         node_depth,
         valid,
         visible.view(torch.int8),
+        scores,
         depth,
         k,
         n,
@@ -766,7 +772,7 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
         N_PAD=triton.next_power_of_2(n),
         num_warps=4,
     )
-    return tokens, parents, node_depth, valid.bool(), visible
+    return tokens, parents, node_depth, valid.bool(), visible, scores
 
 
 def attention_chunk(bs: int, T: int, row_programs: int) -> int:

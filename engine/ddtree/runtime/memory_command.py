@@ -12,8 +12,9 @@ import json
 import pathlib
 import sys
 
-from ..config import UsageError
+from ..config import AUTO, UsageError
 from ..models.memory import parse_size, plan_memory
+from .plan import AUTO_BUDGETS
 
 
 def read_config(ref: str, revision: str | None = None) -> dict:
@@ -77,7 +78,12 @@ def cmd_plan(args) -> int:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     config = read_config(args.model, args.revision)
     drafter = read_drafter_config(args.drafter, config, args.drafter_revision) if args.drafter else None
-    budget = max(args.budget.values()) if isinstance(args.budget, dict) else args.budget  # buffers fit the largest
+    # buffers fit the largest budget (of a policy, or of those auto chooses from)
+    budget = args.budget
+    if isinstance(budget, dict):
+        budget = max(budget.values())
+    elif budget == AUTO:
+        budget = max(AUTO_BUDGETS)
     plan = plan_memory(
         config,
         gpus=args.gpus,

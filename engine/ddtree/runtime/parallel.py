@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..models.layers import Collectives, keep_rows, shard_dense_layers
 from ..models.llama import Transformer
+from ..models.memory import indivisible_split
 from .fused import use_backend
 
 log = logging.getLogger("ddtree.parallel")
@@ -58,13 +59,8 @@ def check_divisible(cfg, world: int, what: str = "the model", whole_experts: boo
     """Refuse a split that does not divide the model (or drafter) evenly, naming every offending size
     (the config's split_sizes(): what its family splits over the ranks)."""
     sizes = cfg.split_sizes() if whole_experts else cfg.split_sizes(whole_experts=False)
-    bad = [f"{n} {name}" for name, n in sizes.items() if n % world]
-    if bad:
-        raise ValueError(
-            f"tensor parallel {world} does not divide {what}: "
-            + ", ".join(bad)
-            + f" (each must be a multiple of {world})"
-        )
+    if problem := indivisible_split(sizes, world, what):
+        raise ValueError(problem)
 
 
 def split(
@@ -260,7 +256,18 @@ class RankFailure(Exception):
     but after this one every later collective would hang or fail, so its engine thread must stop."""
 
 
-ENGINE_CALLS = ("add", "add_many", "begin", "prefill", "step", "release", "warm_up", "capture_graphs", "smoke")
+ENGINE_CALLS = (
+    "add",
+    "add_many",
+    "begin",
+    "prefill",
+    "step",
+    "release",
+    "warm_up",
+    "capture_graphs",
+    "measure_budgets",
+    "smoke",
+)
 
 
 def command_group():
@@ -305,7 +312,12 @@ class Leader:
         return self._call("prefill", row, budget)
 
     def step(self, n: int) -> list[list[int]]:
-        return self._call("step", n)
+        # budget auto: rank 0 chooses (from its own measurements), so that every rank replays the same graph
+        budget = self.engine.choose_budget(n) if self.engine.budgets is not None else None
+        return self._call("step", n, budget)
+
+    def measure_budgets(self) -> dict:
+        return self._call("measure_budgets")
 
     def warm_up(self) -> float:
         return self._call("warm_up")

@@ -6,13 +6,31 @@ above n, the last entry for larger batches. Budget 0 switches drafting off at th
 decoding rounds, where speculation would not pay). `round_plans` turns a method, a budget and the
 drafter's block into one `RoundPlan` per batch size 1..max_batch_size, once; the Engine's rounds, its
 CUDA graphs, the smoke test and the scheduler's metrics all read those plans.
+
+Budget `auto` (method ddtree) gives each batch size a few candidate plans (`auto_budgets`) instead of one;
+a round runs the one ddtree.runtime.budget chooses for it. Its static plan, used where nothing is
+chosen (the smoke test's references, a round before start-up measured the candidates), is the largest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-Budget = int | dict[int, int] | None
+from ..config import AUTO
+
+Budget = int | dict[int, int] | str | None
+AUTO_BUDGETS = (0, 8, 16, 32, 64)  # what `auto` chooses from
+# above this many verified tokens per round (batch bucket x (budget + 1)) larger trees stop paying even
+# on a small model (SmolLM2 on an H200 still gained from budget 16 at 64 rows, 1088 tokens): such budgets
+# are not candidates, which also bounds the graphs captured
+AUTO_VERIFY_TOKENS = 2048
+
+
+def auto_budgets(n: int) -> tuple[int, ...]:
+    """The budgets `auto` chooses from on n rows: budget 0, the smallest drafting budget, and the larger ones
+    whose round on n rows' batch bucket (the next power of two) verifies at most AUTO_VERIFY_TOKENS tokens."""
+    bucket = 1 << (n - 1).bit_length()
+    return tuple(b for i, b in enumerate(AUTO_BUDGETS) if i < 2 or bucket * (b + 1) <= AUTO_VERIFY_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -31,6 +49,12 @@ class RoundPlan:
 def check_budget(method: str, budget: Budget) -> tuple[list[tuple[int, int]] | None, int | None]:
     """Validate a budget: returns the budget per batch size as sorted (max batch size, budget) entries (None
     for one budget) and the largest budget (None: the method's default)."""
+    if isinstance(budget, str):
+        if budget != AUTO:
+            raise ValueError(f"budget must be an integer, a budget per batch size or '{AUTO}', got {budget!r}")
+        if method != "ddtree":
+            raise ValueError(f"budget '{AUTO}' needs method 'ddtree' (got '{method}')")
+        return None, max(AUTO_BUDGETS)
     if not isinstance(budget, dict):
         if budget is not None and budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
@@ -67,6 +91,8 @@ def round_plans(method: str, budget: Budget, block: int, drafter: bool, max_batc
     `budget` (one, or one per batch size) with a drafter of block size `block` when `drafter` is set (an
     engine without one has block 1)."""
     policy, largest = check_budget(method, budget)
+    if budget == AUTO:
+        return tuple(candidate_plans(n, block, drafter, max_batch_size)[-1] for n in range(1, max_batch_size + 1))
     entries = policy or [(max_batch_size, largest)]
     plans = []
     for n in range(1, max_batch_size + 1):
@@ -74,4 +100,15 @@ def round_plans(method: str, budget: Budget, block: int, drafter: bool, max_batc
         b, _, tree_size = round_sizes(method, b, block)
         drafts = drafter and b > 0
         plans.append(RoundPlan(min(limit, max_batch_size), drafts, b, tree_size, block if drafts else 0))
+    return tuple(plans)
+
+
+def candidate_plans(n: int, block: int, drafter: bool, max_batch_size: int) -> tuple[RoundPlan, ...]:
+    """The plans `auto` chooses from on n rows, by ascending budget (one per budget of auto_budgets(n)); they
+    cover n's batch bucket (the next power of two, at most max_batch_size)."""
+    bucket = min(1 << (n - 1).bit_length(), max_batch_size)
+    plans = []
+    for b in auto_budgets(n):
+        drafts = drafter and b > 0
+        plans.append(RoundPlan(bucket, drafts, b, b + 1, block if drafts else 0))
     return tuple(plans)

@@ -106,8 +106,12 @@ def run_smoke(
     # per budget). Greedy output does not depend on the budget in exact arithmetic, but in bf16 a verify
     # of 129 rows and one of 9 round differently and can flip a near-tie, which is not what this test
     # looks for.
+    # with graphs, every captured plan of each batch size (budget auto's candidates) runs; eagerly, its plan
+    def variants(b: int) -> tuple:
+        return engine.candidates(b) if graphs else (engine.plan(b),)
+
     engine.graphs = None
-    plans = {engine.plan(b).budget: engine.plan(b) for b in batch_sizes}
+    plans = {p.budget: p for b in batch_sizes for p in variants(b)}
     references: dict[int, list] = {}
     try:
         for budget, plan in sorted(plans.items()):
@@ -134,11 +138,12 @@ def run_smoke(
     accepted_all = []
     try:
         with compiles.recording() as compiled:
-            for b in batch_sizes:
+            for b, plan in [(size, p) for size in batch_sizes for p in variants(size)]:
                 batch = [prompts[i % len(prompts)] for i in range(b)]
-                tokens, first, accepted = _run(engine, batch, max_new_tokens)
+                with engine.pinned_plan(plan):
+                    tokens, first, accepted = _run(engine, batch, max_new_tokens)
                 accepted_all += accepted
-                reference = references[engine.plan(b).budget]
+                reference = references[plan.budget]
                 for i, got in enumerate(tokens):
                     ref_tokens, ref_first = reference[i % len(prompts)]
                     if got != ref_tokens:

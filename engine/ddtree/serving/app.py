@@ -35,7 +35,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ..config import EngineConfig
+from ..config import AUTO, EngineConfig
 
 if TYPE_CHECKING:
     from ..runtime.parallel import Leader
@@ -166,12 +166,17 @@ class EngineServer:
                 self.leader.engine = engine
                 engine = self.leader
             self.metrics.spec_budget.set(engine.budget)
+            for budget in sorted({p.budget for n in range(engine.max_batch_size) for p in engine.candidates(n + 1)}):
+                self.metrics.num_drafts.labels(model=self.name, budget=str(budget))  # exported at 0 before a round
             bar.update()
             self.phase = "capturing"
             if engine.device.type == "cuda" and config.kernels.graphs:
                 bar.set_postfix_str(f"capturing CUDA graphs (batch buckets {self.graph_buckets})")
                 # greedy and sampling rounds; shapes outside the buckets run eagerly (and count as fallbacks)
                 engine.capture_graphs(batch_buckets=self.graph_buckets, sampling=(False, True), fallback=True)
+            if engine.budgets is not None:
+                bar.set_postfix_str("timing the rounds of each budget (--budget auto)")
+                engine.measure_budgets()
             bar.update()
             self.phase = "smoke_test"
             bar.set_postfix_str(f"smoke test (batch sizes {self.smoke_sizes})")
@@ -203,7 +208,7 @@ class EngineServer:
             report.reason,
             self.name,
             config.speculation.method,
-            engine.budget,
+            AUTO if engine.budgets is not None else engine.budget,
             engine.max_batch_size,
             engine.max_seq_len,
         )
@@ -465,7 +470,8 @@ class EngineServer:
         body = await self._body(request)
         if self.phase != "ready":
             raise APIError(503, f"the server is not ready ({self.phase}); poll /ready", code="not_ready")
-        s = Sampling(body, chat, self.engine.budget, self.config.serving.max_logprobs)
+        budget = AUTO if self.engine.budgets is not None else self.engine.budget  # what the server runs
+        s = Sampling(body, chat, budget, self.config.serving.max_logprobs)
         if chat:
             prompt, tools = await self.prepare(self._prepare_chat, body)
         else:

@@ -9,7 +9,7 @@ import math
 import os
 import sys
 
-from ..config import FLAGS, EngineConfig, UsageError, parse_int_list
+from ..config import AUTO, FLAGS, EngineConfig, UsageError, parse_int_list
 from .app import EngineServer, serve_follower, serve_until_stopped
 from .loadgen import PromptLengths, bench_line, bench_serve
 
@@ -25,6 +25,8 @@ def serve_config(args) -> EngineConfig:
     """The `serve` settings (--config file and flags), validated (ConfigError on bad ones) and resolved:
     device, dtype and drafter filled in; the batch buckets are checked against max_batch_size."""
     config = EngineConfig.from_args(args, SERVE_FLAGS).resolve()
+    if config.speculation.method == "ddtree" and config.speculation.budget is None:
+        config = config.replace(speculation={"budget": AUTO})  # serve chooses each round's budget
     config.serve_batch_sizes()
     return config
 

@@ -77,8 +77,10 @@ class ServerMetrics:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model=model)
 
         self.num_drafts = counter(
-            "ddtree_spec_decode_num_drafts", "Verify rounds, one per running sequence per round"
-        ).labels(model=model)
+            "ddtree_spec_decode_num_drafts",
+            "Verify rounds, one per running sequence per round, by the round's budget (0: no draft)",
+            ["model", "budget"],
+        )
         self.num_draft_tokens = counter(
             "ddtree_spec_decode_num_draft_tokens", "Drafted tokens offered for verification (tree size minus the root)"
         ).labels(model=model)
@@ -107,7 +109,12 @@ class ServerMetrics:
             "ddtree_kernel_compiles",
             "Triton kernels compiled after the smoke test passed: request shapes start-up did not run (a stall each)",
         ).labels(model=model)
-        self.spec_budget = gauge("ddtree_spec_budget", "DDTree node budget B (0 for ar)")
+        self.spec_budget = gauge("ddtree_spec_budget", "DDTree node budget B of the last round (0 for ar)")
+        self.forecast_accepted_tokens = counter(
+            "ddtree_spec_decode_forecast_accepted_tokens",
+            "Budget auto: drafted tokens the draft expected to be accepted in its rounds (compare with "
+            "ddtree_spec_decode_num_accepted_tokens: the draft's calibration)",
+        ).labels(model=model)
         self.kv_cache_usage_ratio = gauge(
             "ddtree_kv_cache_usage_ratio", "Committed tokens of running requests / (max_batch_size x max_seq_len)"
         )

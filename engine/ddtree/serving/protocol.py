@@ -120,7 +120,7 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
 class Sampling:
     """The validated generation fields of a request (prompt and max_tokens default aside)."""
 
-    def __init__(self, body: dict, chat: bool, engine_budget: int, max_logprobs: int = 0):
+    def __init__(self, body: dict, chat: bool, engine_budget: int | str, max_logprobs: int = 0):
         self.max_tokens = get_int(
             body, "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
         )
@@ -161,7 +161,7 @@ class Sampling:
         self.ignore_eos = get_bool(body, "ignore_eos")  # extension (as in vLLM): for benchmarks
         self.logprobs = requested_logprobs(body, chat, max_logprobs)
         budget = get_int(body, "budget")
-        if budget is not None and budget != engine_budget:
+        if budget is not None and (budget != engine_budget or isinstance(engine_budget, str)):
             raise bad_request(
                 f"per-request 'budget' is not supported: this server runs budget {engine_budget}", "budget"
             )

@@ -346,9 +346,11 @@ class Scheduler:
         now = time.perf_counter()
         self.rounds += 1
         m.engine_step_seconds.observe(now - t0)
-        k = len(self._running)
-        m.num_drafts.inc(k)
-        m.num_draft_tokens.inc(k * (engine.plan(n).tree_size - 1))
+        k, plan = len(self._running), engine.last_plan  # the plan the round ran (budget auto: its choice)
+        m.num_drafts.labels(model=m.model, budget=str(plan.budget)).inc(k)
+        m.num_draft_tokens.inc(k * (plan.tree_size - 1))
+        m.forecast_accepted_tokens.inc(engine.last_forecast if engine.budgets is not None else 0.0)
+        m.spec_budget.set(plan.budget)
         accepted = 0
         for row, req in list(self._running.items()):
             toks = out[row]

@@ -38,18 +38,8 @@ from ..models.layers import (
     rope_kind,
 )
 from ..models.llama import ModelConfig
-
-
-class DrafterMismatchError(ValueError):
-    """The drafter does not fit the target (vocabulary, hidden size, tapped layers)."""
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Evenly spread taps, as in the published DFlash configs ([1, 9, 17, 25, 33] for 36 and 5)."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+from .compat import DrafterMismatchError, check_fits, default_target_layer_ids, dflash_value, mask_token_id
+from .compat import target_layer_ids as tapped_layers
 
 
 def sliding_layers(cfg: dict) -> tuple[list[str] | None, int | None]:
@@ -201,7 +191,7 @@ class DrafterConfig:
         dflash = cfg.get("dflash_config") or {}
 
         def value(name: str, default=None):
-            return dflash.get(name, cfg.get(name, default))
+            return dflash_value(cfg, name, default)
 
         foreign = [k for k in FOREIGN_KEYS if dflash.get(k) or cfg.get(k)]
         if foreign:
@@ -211,14 +201,7 @@ class DrafterConfig:
             raise DrafterMismatchError(f"drafter is_causal {is_causal!r} must be true, false or null")
         layer_types, window = sliding_layers(cfg)
         layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
-        layer_ids = value("target_layer_ids")
-        if layer_ids is None:
-            if cfg.get("num_target_layers") is None:
-                raise DrafterMismatchError("drafter config gives neither target_layer_ids nor num_target_layers")
-            layer_ids = default_target_layer_ids(cfg["num_target_layers"], layers)
-        mask_token_id = value("mask_token_id")
-        if mask_token_id is None:
-            raise DrafterMismatchError("drafter config has no mask_token_id")
+        layer_ids, mask_token = tapped_layers(cfg), mask_token_id(cfg)
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or None
         if rope_kind(rope) not in ("default", None):
@@ -237,8 +220,8 @@ class DrafterConfig:
             head_dim=cfg.get("head_dim", 128) or cfg["hidden_size"] // heads,
             block_size=int(value("block_size", 16)),
             num_target_layers=cfg.get("num_target_layers"),
-            mask_token_id=int(mask_token_id),
-            target_layer_ids=list(layer_ids),
+            mask_token_id=mask_token,
+            target_layer_ids=layer_ids,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
@@ -299,21 +282,8 @@ class DrafterConfig:
         )
         return cfg
 
-    def check_target(self, target: ModelConfig) -> None:
-        problems = []
-        if self.vocab_size != target.vocab_size:
-            problems.append(f"vocabulary {self.vocab_size} != target's {target.vocab_size}")
-        if self.hidden_size != target.hidden_size:
-            problems.append(f"hidden size {self.hidden_size} != target's {target.hidden_size}")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
-        if bad:
-            problems.append(f"target_layer_ids {bad} outside the target's {target.num_hidden_layers} layers")
-        if not 0 <= self.mask_token_id < target.vocab_size:
-            problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary")
-        if self.block_size < 2:
-            problems.append(f"block_size {self.block_size} < 2")
-        if problems:
-            raise DrafterMismatchError("drafter does not fit the target: " + "; ".join(problems))
+    def check_target(self, target: ModelConfig | MLAConfig) -> None:
+        check_fits(self, target)
 
 
 class DrafterAttention(nn.Module):

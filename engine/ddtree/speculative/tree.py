@@ -3,6 +3,10 @@
 All three produce the same flat, static-shape batch layout so that verification and the walk are
 shared: node 0 is the root (the last bonus token, already emitted), nodes are ordered so that
 parent[i] < i, and `visible[i, j]` says whether node j is node i or one of its ancestors.
+
+A DDTree lists its nodes best first (path score non-increasing), so its first b + 1 nodes are the tree of
+budget b (`Tree.prefix`), and its path scores give the expected acceptance of every smaller budget
+(`expected_accepted`): what `--budget auto` chooses from.
 """
 
 from __future__ import annotations
@@ -20,10 +24,33 @@ class Tree:
     depth: Tensor  # [bs, N] long; 0 for the root
     valid: Tensor  # [bs, N] bool; padded nodes (fewer prefixes than the budget) are False
     visible: Tensor  # [bs, N, N] bool; ancestor-or-self
+    scores: Tensor | None = None  # [bs, N] float32 path log-probabilities under the draft (DDTree only)
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
+
+    def prefix(self, n: int) -> Tree:
+        """The first n nodes: for a DDTree (nodes best first), the tree of budget n - 1."""
+        if n == self.size:
+            return self
+        scores = self.scores[:, :n] if self.scores is not None else None
+        return Tree(
+            self.tokens[:, :n],
+            self.parents[:, :n],
+            self.depth[:, :n],
+            self.valid[:, :n],
+            self.visible[:, :n, :n],
+            scores,
+        )
+
+
+def expected_accepted(scores: Tensor, budgets: Tensor) -> Tensor:
+    """[bs, len(budgets)]: the drafted tokens a DDTree of each budget (>= 1) is expected to have accepted,
+    if the target agreed with the draft: the sum of its nodes' path probabilities (paper, Prop. 1). scores
+    [bs, N] are a best-first tree's path log-probabilities (root first; padding -inf), so the tree of budget
+    b is its first b nodes after the root."""
+    return torch.cumsum(scores[:, 1:].exp(), dim=1)[:, budgets - 1]
 
 
 def ancestor_mask(parents: Tensor) -> Tensor:
@@ -116,11 +143,11 @@ def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int) -> Tree:
         tokens.append(torch.gather(top_tok[:, d], 1, flat % k))
 
     all_scores = torch.cat(scores, dim=1)  # [bs, D*B], depth-major, score-descending inside a depth
-    order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :b]
-    # depth-major node order (so parent index < child index), padding (score -inf) last
-    padding = ~torch.isfinite(torch.gather(all_scores, 1, order))
-    chosen = torch.gather(order, 1, torch.sort(order + padding * depth_max * b, dim=1).indices)
-    valid = torch.isfinite(torch.gather(all_scores, 1, chosen))
+    # best first, padding (score -inf) last; a child never outscores its parent, and on a tie the stable
+    # sort keeps the shallower (depth-major) one first, so a parent precedes its children
+    chosen = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :b]
+    node_scores = torch.gather(all_scores, 1, chosen)
+    valid = torch.isfinite(node_scores)
 
     node_depth = chosen // b + 1
     all_parent = torch.cat(parent_slot, dim=1)
@@ -143,4 +170,5 @@ def build_ddtree(roots: Tensor, draft_logits: Tensor, budget: int) -> Tree:
     # padded nodes see only themselves (never NaN rows), and nobody sees them
     eye = torch.eye(b + 1, dtype=torch.bool, device=dev)
     visible = torch.where(tree_valid[:, :, None] & tree_valid[:, None, :], visible, eye)
-    return Tree(tree_tokens, parents, tree_depth, tree_valid, visible)
+    tree_scores = torch.cat([torch.zeros(bs, 1, device=dev), node_scores], dim=1)
+    return Tree(tree_tokens, parents, tree_depth, tree_valid, visible, tree_scores)
