@@ -147,10 +147,12 @@ class EngineRunner:
         self.request_errors: list[str] = []
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self, load: bool = False, load_seconds: float = 900.0) -> EngineRunner:
+    def start(self, load: bool = False, load_seconds: float = 900.0, ignore_eos: bool = False) -> EngineRunner:
+        """`ignore_eos`: every completion runs its whole max_tokens (the engine's extension), so each request
+        adds the same number of speculative rounds whatever the prompt."""
         self._threads.append(threading.Thread(target=self._supervise, daemon=True))
         if load:
-            self._threads.append(threading.Thread(target=self._load, args=(load_seconds,), daemon=True))
+            self._threads.append(threading.Thread(target=self._load, args=(load_seconds, ignore_eos), daemon=True))
         for thread in self._threads:
             thread.start()
         return self
@@ -437,7 +439,7 @@ class EngineRunner:
             return None
 
     # -- traffic ----------------------------------------------------------------------------------
-    def _load(self, seconds: float) -> None:
+    def _load(self, seconds: float, ignore_eos: bool = False) -> None:
         """Sequential completions to ready engines, at most `seconds` long: metrics need traffic."""
         deadline = time.monotonic() + seconds
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -449,7 +451,10 @@ class EngineRunner:
                 continue
             engine = ready[turn % len(ready)]
             prompt = PROMPTS[turn % len(PROMPTS)]
-            body = json.dumps({"model": engine.model, "prompt": prompt, "max_tokens": 32, "temperature": 0}).encode()
+            payload = {"model": engine.model, "prompt": prompt, "max_tokens": 32, "temperature": 0}
+            if ignore_eos:
+                payload["ignore_eos"] = True
+            body = json.dumps(payload).encode()
             headers = {"Content-Type": "application/json"}
             if engine.api_key:
                 headers["Authorization"] = f"Bearer {engine.api_key}"

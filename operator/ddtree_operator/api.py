@@ -66,6 +66,34 @@ IntOrPercent = Annotated[
     WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": PERCENT_PATTERN, "minimum": 0}),
 ]
 
+AUTO_BUDGET = "auto"
+
+
+def _check_budget(value: int | str) -> int | str:
+    if isinstance(value, str) and value != AUTO_BUDGET:
+        raise ValueError(f"{value!r} is neither a budget (1 to 1024) nor {AUTO_BUDGET!r}")
+    if isinstance(value, int) and not 1 <= value <= 1024:
+        raise ValueError(f"budget {value} is outside 1 to 1024")
+    return value
+
+
+# A draft-tree budget, or `auto` (the engine chooses every round's).
+BudgetOrAuto = Annotated[
+    int | str,
+    AfterValidator(_check_budget),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "x-kubernetes-validations": [
+                {
+                    "rule": "type(self) == int ? self >= 1 && self <= 1024 : self == 'auto'",
+                    "message": "budget must be 1 to 1024 or 'auto'",
+                }
+            ],
+        }
+    ),
+]
+
 # Deliberately opaque (a full core/v1 Affinity schema would bloat the CRD, see docs/operator.md);
 # the API server validates it when the operator copies it into the Deployment.
 OpaqueObject = Annotated[
@@ -178,8 +206,11 @@ class SpeculationSpec(_Model):
         description="`ddtree` (tree of drafts verified in one pass), `dflash` (single draft block) or "
         "`none` (plain autoregressive decoding, engine `--method ar`). Default: ddtree.",
     )
-    budget: int = Field(
-        default=32, ge=1, le=1024, description="Draft-tree node budget per step (`--budget`). Default: 32."
+    budget: BudgetOrAuto = Field(
+        default=AUTO_BUDGET,
+        description="Draft-tree node budget per round (`--budget`, 1 to 1024), or `auto`: the engine chooses "
+        "each round's budget for the running batch from the draft's calibrated forecast of each budget's "
+        "acceptance and the round times it measured at start-up. Default: auto.",
     )
     budget_by_batch_size: list[BudgetStep] | None = Field(
         default=None,
@@ -499,6 +530,59 @@ class AutoscalingSpec(_Model):
     )
 
 
+class DrafterCanarySpec(_Model):
+    """How a new `drafter` is tried on a few replicas before it replaces the running one (docs/operator.md,
+    "Drafter canary"). DDTree is lossless: a drafter changes how fast answers come, not what they are (token
+    for token when greedy, in distribution when sampled), so this decision is only about speed."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Try a changed `drafter` on `replicas` pods and promote it only when its acceptance length "
+        "holds up; false rolls a drafter change out directly. Default: true.",
+    )
+    replicas: IntOrPercent = Field(
+        default=1,
+        description="Pods that run the new drafter during the canary, taken from `replicas`: a count or a "
+        "percentage (rounded up); at least 1, and at least one pod keeps the old drafter. Default: 1.",
+    )
+    window_seconds: int = Field(
+        default=600,
+        ge=10,
+        le=86400,
+        description="Both drafters are measured for at least this long before a decision. Default: 600.",
+    )
+    min_rounds: int = Field(
+        default=1000,
+        ge=1,
+        le=1_000_000_000,
+        description="Verify rounds (`ddtree_spec_decode_num_drafts_total`) each drafter must have run in the "
+        "window before a decision. Default: 1000.",
+    )
+    tolerance: float = Field(
+        default=0.02,
+        ge=0.0,
+        le=1.0,
+        description="The new drafter is promoted when its acceptance length is at least (1 - tolerance) "
+        "times the old one's, else rolled back. Default: 0.02.",
+    )
+    deadline_seconds: int = Field(
+        default=7200,
+        ge=60,
+        le=604800,
+        description="A canary without a decision this long after it started (its pods not ready, or too "
+        "little traffic) is rolled back. Default: 7200.",
+    )
+    rules: ClassVar = (
+        Rule(
+            # has(): the schema's default ({}) is checked before its fields' defaults fill it
+            cel=f"!has(self.replicas) || !(string(self.replicas) in {list(ZERO)})",
+            message="spec.drafterCanary.replicas must be at least 1 (set enabled: false to skip the canary)",
+            check=lambda m: not is_zero(m.replicas),
+            field_path=".replicas",
+        ),
+    )
+
+
 class SpeculativeDeploymentSpec(_Model):
     """A model served by DDTree speculative-decoding engine pods."""
 
@@ -525,6 +609,7 @@ class SpeculativeDeploymentSpec(_Model):
     readiness: ReadinessSpec = nested(ReadinessSpec)
     metrics: MetricsSpec = nested(MetricsSpec)
     serving: ServingSpec = nested(ServingSpec)
+    drafter_canary: DrafterCanarySpec = nested(DrafterCanarySpec)
 
     rules: ClassVar = (
         Rule(
@@ -580,7 +665,7 @@ class SpeculativeDeploymentSpec(_Model):
 # ---- status -------------------------------------------------------------------------------------
 
 Phase = Literal["Pending", "Loading", "Ready", "Degraded", "Failed"]
-CONDITION_TYPES = ("Ready", "Progressing", "SmokeTestPassed", "Degraded")
+CONDITION_TYPES = ("Ready", "Progressing", "SmokeTestPassed", "Degraded", "DrafterCanary")
 
 
 class Condition(_Model):
@@ -618,6 +703,32 @@ class MemoryPlanStatus(_Model):
     )
 
 
+class DrafterMeasurement(_Model):
+    """One drafter's pods during a canary, from their counters since each one's first scrape in it."""
+
+    pods: int = Field(description="Ready pods measured.")
+    rounds: int = Field(description="Verify rounds they ran (Δ ddtree_spec_decode_num_drafts_total).")
+    seconds: float = Field(description="The longest time one of them was measured.")
+    acceptance_length: float | None = Field(default=None, description="1 + Δaccepted/Δdrafts over these pods.")
+    tokens_per_second: float | None = Field(default=None, description="Generated tokens per second, per pod.")
+
+
+class DrafterCanaryStatus(_Model):
+    """The drafter the engines run, and the last drafter canary (docs/operator.md, "Drafter canary")."""
+
+    stable: DrafterSpec = Field(
+        description="The drafter of the engine Deployment: the last one promoted or rolled out directly."
+    )
+    phase: Literal["Progressing", "Promoted", "RolledBack", "Cancelled"] | None = Field(
+        default=None, description="The last canary's state; unset before the first one."
+    )
+    candidate: DrafterSpec | None = Field(default=None, description="The drafter the last canary tried.")
+    started_at: datetime.datetime | None = None
+    stable_measurement: DrafterMeasurement | None = None
+    candidate_measurement: DrafterMeasurement | None = None
+    message: str = Field(default="", description="What happened and why, with both drafters' figures.")
+
+
 class SpeculativeDeploymentStatus(_Model):
     """Observed state, written by the operator."""
 
@@ -640,3 +751,4 @@ class SpeculativeDeploymentStatus(_Model):
     last_scrape_time: datetime.datetime | None = None
     smoke_test: SmokeTestStatus | None = None
     memory_plan: MemoryPlanStatus | None = None
+    drafter_canary: DrafterCanaryStatus | None = None

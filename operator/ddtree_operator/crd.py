@@ -36,7 +36,7 @@ PRINTER_COLUMNS = [
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready engine pods"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "description": "Desired engine pods"},
     {"name": "Method", "type": "string", "jsonPath": ".spec.speculation.method"},
-    {"name": "Budget", "type": "integer", "jsonPath": ".spec.speculation.budget"},
+    {"name": "Budget", "type": "string", "jsonPath": ".spec.speculation.budget"},
     {
         "name": "AccLen",
         "type": "number",

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from ddtree.config import DEFAULT_MAX_SEQ_LEN, ServingConfig
 from ddtree.models.memory import MemoryPlan, parse_size, plan_memory
+from ddtree.runtime.plan import AUTO_BUDGETS
 
 from .api import SpeculativeDeploymentSpec
 
@@ -112,6 +113,8 @@ def _budget(spec: SpeculativeDeploymentSpec) -> int | None:
         return None  # dflash drafts one block; none drafts nothing
     if speculation.budget_by_batch_size:  # the largest tree any batch size builds
         return max(s.budget for s in speculation.budget_by_batch_size)
+    if isinstance(speculation.budget, str):  # auto: buffers fit the largest budget it chooses from
+        return max(AUTO_BUDGETS)
     return speculation.budget
 
 

@@ -2,10 +2,13 @@
 
     kopf run --standalone --all-namespaces -m ddtree_operator.handlers
 
-- create/update/resume: the fit check (fit.py; hub configs fetched here, cached), then server-side apply
-  the rendered children (idempotent; restart-safe) and delete the optional ones no longer rendered
-  (PodMonitor, PodDisruptionBudget, HorizontalPodAutoscaler, ScaledObject), or nothing when the model
-  does not fit.
+- validate (the admission webhook, when its certificate is configured): the config checks (admission.py; hub
+  configs fetched here with a short timeout) refuse a spec whose drafter or split does not fit, or whose
+  model does not fit its GPUs; a config that cannot be had in time admits it.
+- create/update/resume: the same checks (admission.py, fit.py; hub configs fetched here, cached), then
+  server-side apply the rendered children (idempotent; restart-safe) and delete the optional ones no longer
+  rendered (PodMonitor, PodDisruptionBudget, HorizontalPodAutoscaler, ScaledObject), or nothing when a
+  check fails.
 - a timer per resource: scrape ready engines, recompute the status, patch only what changed.
 - indexes keep the engine Deployments and pods in memory, so ticks cost no LIST calls.
 """
@@ -19,7 +22,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -29,10 +32,11 @@ import kubernetes
 import pydantic
 import urllib3
 
-from . import api
-from .fit import ConfigRef, MemoryCheck, decide, plan_inputs
+from . import api, canary
+from .admission import SpecChecks, config_refs, run_checks
+from .fit import ConfigRef
 from .metrics import EngineSample, Window, parse_engine_metrics, window
-from .render import MANAGED_BY, OWNER_LABEL, Owner, engine_defaults_from_env, render_children
+from .render import MANAGED_BY, OWNER_LABEL, Owner, engine_defaults_from_env
 from .status import PodView, compute_status, deployment_view, pod_view, status_patch
 
 FIELD_MANAGER = "ddtree-operator"
@@ -40,6 +44,11 @@ STATUS_TICK_SECONDS = 5.0  # status follows pods this fast; scraping has its own
 API_RETRY_SECONDS = 10.0  # an apply the API server did not take (down, restarting, busy) is tried again this soon
 SCRAPE_TIMEOUT_SECONDS = 3.0
 HUB_TIMEOUT_SECONDS = 10.0  # one config.json; a slow or unreachable hub skips the fit check, never blocks
+# The webhook's fetch of the config.json files, well inside the API server's webhook timeout (the chart's
+# webhook.timeoutSeconds, 10 by default): past it the spec is admitted and reconcile checks it.
+ADMISSION_HUB_TIMEOUT_SECONDS = 4.0
+WEBHOOK_ID = "validate-spec"  # the handler's id: the path the webhook configuration calls (/validate-spec)
+DEFAULT_WEBHOOK_PORT = 9443
 HUB_MAX_CONFIG_BYTES = 4 << 20
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 RESOURCE = (api.GROUP, api.VERSION, api.PLURAL)
@@ -97,6 +106,28 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.hub_endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_HUB_ENDPOINT).rstrip("/")
     # config.json by (endpoint, repo, revision), shared by every resource (kopf copies this memo shallowly)
     memo.hub_configs = {}
+    settings.admission.server = webhook_server(os.environ)
+
+
+def webhook_server(env: Mapping[str, str]) -> Any:
+    """The admission webhook's HTTPS endpoint: on DDTREE_WEBHOOK_PORT (default 9443) of every interface, with
+    the certificate and key DDTREE_WEBHOOK_CERT_DIR holds as tls.crt and tls.key (a mounted kubernetes.io/tls
+    Secret; kopf reloads them when they are renewed). The webhook configuration is the chart's, not kopf's
+    (settings.admission.managed stays unset), so the operator needs no access to webhook configurations.
+    Without a certificate directory nothing listens: kopf refuses admission handlers with no server at all."""
+    cert_dir = env.get("DDTREE_WEBHOOK_CERT_DIR")
+    if not cert_dir:
+        return _no_webhook_server
+    return kopf.WebhookServer(
+        port=int(env.get("DDTREE_WEBHOOK_PORT") or DEFAULT_WEBHOOK_PORT),
+        certfile=os.path.join(cert_dir, "tls.crt"),
+        pkeyfile=os.path.join(cert_dir, "tls.key"),
+    )
+
+
+async def _no_webhook_server(fn: Any) -> AsyncIterator[Any]:
+    await asyncio.Event().wait()  # serves nothing, for as long as the operator runs
+    yield  # an async generator, as kopf expects of a server
 
 
 def _parse_spec(spec: Any) -> api.SpeculativeDeploymentSpec:
@@ -162,14 +193,33 @@ def _failures_are_temporary(owner: Owner) -> Iterator[None]:
         ) from exc
 
 
-def apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymentSpec, body: Any) -> None:
+def _canary_state(status: Any) -> api.DrafterCanaryStatus | None:
+    value = (status or {}).get("drafterCanary")
+    return api.DrafterCanaryStatus.model_validate(value) if value else None
+
+
+def apply_children(
+    memo: kopf.Memo,
+    owner: Owner,
+    spec: api.SpeculativeDeploymentSpec,
+    canary_state: api.DrafterCanaryStatus | None,
+    body: Any,
+) -> None:
     with _failures_are_temporary(owner):
-        _apply_children(memo, owner, spec, body)
+        _apply_children(memo, owner, spec, canary_state, body)
+    # what the children of this spec now run: the status timer applies again when its canary step changes it
+    memo.applied = (spec, canary.plan(spec, canary_state))
 
 
-def _apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeploymentSpec, body: Any) -> None:
+def _apply_children(
+    memo: kopf.Memo,
+    owner: Owner,
+    spec: api.SpeculativeDeploymentSpec,
+    canary_state: api.DrafterCanaryStatus | None,
+    body: Any,
+) -> None:
     client: kubernetes.client.ApiClient = memo.api
-    children = render_children(owner, spec, memo.defaults)
+    children = canary.render(owner, spec, canary_state, memo.defaults)
     for child in children:
         try:
             server_side_apply(client, child)
@@ -188,15 +238,21 @@ def _apply_children(memo: kopf.Memo, owner: Owner, spec: api.SpeculativeDeployme
     for kind, resource in OPTIONAL_CHILDREN.items():
         if kind not in rendered:
             _delete_if_owned(client, owner, *resource)
+    if not any(child["metadata"]["name"] == canary.canary_name(owner.name) for child in children):
+        _delete_if_owned(client, owner, "apps", "v1", "deployments", canary.canary_name(owner.name))
 
 
-def _delete_if_owned(client: kubernetes.client.ApiClient, owner: Owner, group: str, version: str, plural: str) -> None:
-    """Delete an optional child the spec no longer asks for. An object of that name that the resource does not
-    own (say, an HPA a user made before `spec.autoscaling` existed) is left alone."""
+def _delete_if_owned(
+    client: kubernetes.client.ApiClient, owner: Owner, group: str, version: str, plural: str, name: str | None = None
+) -> None:
+    """Delete an optional child the spec no longer asks for (named like the resource unless `name` is given).
+    An object of that name that the resource does not own (say, an HPA a user made before `spec.autoscaling`
+    existed) is left alone."""
     objects = kubernetes.client.CustomObjectsApi(client)
+    name = name or owner.name
     try:
         existing: dict[str, Any] = objects.get_namespaced_custom_object(  # type: ignore[assignment]
-            group, version, owner.namespace, plural, owner.name
+            group, version, owner.namespace, plural, name
         )
     except kubernetes.client.ApiException as exc:
         if exc.status == 404:  # never made, already gone, or no such API
@@ -211,7 +267,7 @@ def _delete_if_owned(client: kubernetes.client.ApiClient, owner: Owner, group: s
             version,
             owner.namespace,
             plural,
-            owner.name,
+            name,
             body=kubernetes.client.V1DeleteOptions(
                 preconditions=kubernetes.client.V1Preconditions(uid=existing["metadata"]["uid"])
             ),
@@ -242,7 +298,9 @@ async def _fetch_config(session: aiohttp.ClientSession, endpoint: str, ref: Conf
     return config
 
 
-async def _configs(refs: list[ConfigRef], memo: kopf.Memo) -> dict[ConfigRef, dict[str, Any] | str]:
+async def _configs(
+    refs: list[ConfigRef], memo: kopf.Memo, timeout: float = HUB_TIMEOUT_SECONDS
+) -> dict[ConfigRef, dict[str, Any] | str]:
     """Each ref's config.json, or why it could not be fetched; successes are cached for the operator's life
     (a pinned revision never changes; `main` rarely does, and a restart refreshes it)."""
     endpoint: str = memo.hub_endpoint
@@ -250,7 +308,7 @@ async def _configs(refs: list[ConfigRef], memo: kopf.Memo) -> dict[ConfigRef, di
     out: dict[ConfigRef, dict[str, Any] | str] = {r: cache[(endpoint, r)] for r in refs if (endpoint, r) in cache}
     wanted = [r for r in dict.fromkeys(refs) if r not in out]
     if wanted:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HUB_TIMEOUT_SECONDS)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             results = await asyncio.gather(
                 *(_fetch_config(session, endpoint, r) for r in wanted), return_exceptions=True
             )
@@ -264,18 +322,40 @@ async def _configs(refs: list[ConfigRef], memo: kopf.Memo) -> dict[ConfigRef, di
     return out
 
 
-async def memory_check(spec: api.SpeculativeDeploymentSpec, memo: kopf.Memo, logger: Any) -> MemoryCheck:
-    """The fit check of this spec, made once per spec (the per-resource memo keeps the last one). The lock
-    makes the create handler and the first status tick, which start together, share one check."""
+async def spec_checks(spec: api.SpeculativeDeploymentSpec, memo: kopf.Memo, logger: Any) -> SpecChecks:
+    """The config checks and the fit check of this spec, made once per spec (the per-resource memo keeps the
+    last ones). The lock makes the create handler and the first status tick, which start together, share one
+    fetch."""
     key = spec.model_dump_json()
-    async with memo.setdefault("memory_check_lock", asyncio.Lock()):
-        if memo.get("memory_check_key") == key:
-            return memo.memory_check
-        inputs = plan_inputs(spec)
-        check = inputs if isinstance(inputs, MemoryCheck) else decide(inputs, await _configs(inputs.refs, memo))
-        logger.info(f"memory plan: {check.result}: {check.message}")
-        memo.memory_check_key, memo.memory_check = key, check
-        return check
+    async with memo.setdefault("spec_checks_lock", asyncio.Lock()):
+        if memo.get("spec_checks_key") == key:
+            return memo.spec_checks
+        checks = run_checks(spec, await _configs(config_refs(spec), memo))
+        logger.info(f"memory plan: {checks.memory.result}: {checks.memory.message}")
+        logger.info(f"config checks: {checks.compatibility.message}")
+        memo.spec_checks_key, memo.spec_checks = key, checks
+        return checks
+
+
+# kopf passes `old` and `operation` through **kwargs, which its WebhookFn protocol can't express.
+@kopf.on.validate(*RESOURCE, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])  # type: ignore[arg-type]
+async def validate(spec: Any, old: Any, operation: str, memo: kopf.Memo, warnings: list[str], **_: Any) -> None:
+    """Refuse a spec the config checks fail, with their one message. Only a changed spec is checked: an update
+    of metadata alone (kopf's finalizer, a label) must go through even where the hub now says more."""
+    if operation == "UPDATE" and old is not None and dict(old.get("spec") or {}) == dict(spec):
+        return
+    try:
+        parsed = api.SpeculativeDeploymentSpec.model_validate(dict(spec))
+    except pydantic.ValidationError:
+        return  # the CRD's schema speaks for itself; an outdated CRD is reconcile's to report
+    checks = run_checks(parsed, await _configs(config_refs(parsed), memo, ADMISSION_HUB_TIMEOUT_SECONDS))
+    refusal = checks.refusal()
+    if refusal is not None:
+        raise kopf.AdmissionError(refusal, code=422)
+    warnings.extend(
+        f"not checked: {why}; the operator checks again and reports it in the Compatible condition"
+        for why in checks.compatibility.unchecked
+    )
 
 
 # A failed apply (API server busy, webhook down) is retried after 10 s, not kopf's default minute.
@@ -283,14 +363,16 @@ async def memory_check(spec: api.SpeculativeDeploymentSpec, memo: kopf.Memo, log
 @kopf.on.create(*RESOURCE, backoff=API_RETRY_SECONDS)
 @kopf.on.update(*RESOURCE, field="spec", backoff=API_RETRY_SECONDS)
 async def reconcile(
-    name: str, namespace: str, uid: str, spec: Any, body: Any, memo: kopf.Memo, logger: Any, **_: Any
+    name: str, namespace: str, uid: str, spec: Any, status: Any, body: Any, memo: kopf.Memo, logger: Any, **_: Any
 ) -> None:
     parsed = _parse_spec(spec)
-    # A model that does not fit gets no objects, and an existing Deployment keeps its last fitting spec:
-    # pods that can never load would only hold GPUs. The status timer reports it (Ready=False DoesNotFit).
-    if (await memory_check(parsed, memo, logger)).blocks:
+    # A spec that fails a check (its model does not fit, its drafter does not fit the model) gets no objects,
+    # and an existing Deployment keeps its last good spec: pods that can never load would only hold GPUs. The
+    # status timer reports it (Ready=False DoesNotFit or Incompatible).
+    if (await spec_checks(parsed, memo, logger)).blocks:
         return
-    await asyncio.to_thread(apply_children, memo, Owner(name, namespace, uid), parsed, body)
+    owner = Owner(name, namespace, uid)
+    await asyncio.to_thread(apply_children, memo, owner, parsed, _canary_state(status), body)
 
 
 @kopf.index("pods", labels=MANAGED)
@@ -299,9 +381,15 @@ def engine_pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[tuple[
     return {(namespace, owner): pod_view(body)} if owner else None
 
 
-@kopf.index("deployments", labels=MANAGED)
+@kopf.index("deployments", labels={**MANAGED, canary.TRACK_LABEL: kopf.ABSENT})
 def engine_deployments(namespace: str, name: str, body: Any, **_: Any) -> dict[tuple[str, str], Any]:
     return {(namespace, name): deployment_view(body)}
+
+
+@kopf.index("deployments", labels={**MANAGED, canary.TRACK_LABEL: canary.CANARY_TRACK})
+def canary_deployments(namespace: str, labels: Any, body: Any, **_: Any) -> dict[tuple[str, str], Any] | None:
+    owner = labels.get(OWNER_LABEL)
+    return {(namespace, owner): deployment_view(body)} if owner else None
 
 
 class ScrapeError(Exception):
@@ -371,30 +459,40 @@ async def refresh_status(
     patch: kopf.Patch,
     engine_pods: kopf.Index,
     engine_deployments: kopf.Index,
+    canary_deployments: kopf.Index,
     logger: Any,
     **_: Any,
 ) -> None:
     parsed = _parse_spec(spec)
-    memory = await memory_check(parsed, memo, logger)
+    checks = await spec_checks(parsed, memo, logger)
+    memory = checks.memory
     key = (namespace, name)
+    owner = Owner(name, namespace, uid)
+    canary_state = _canary_state(status)
     deployments = list(engine_deployments.get(key, []))
-    if not deployments and not memory.blocks:
+    canaries = list(canary_deployments.get(key, []))
+    if not deployments and not checks.blocks:
         # Deleted behind our back (or not seen yet): re-apply; a no-op when it does exist.
-        await asyncio.to_thread(apply_children, memo, Owner(name, namespace, uid), parsed, body)
+        await asyncio.to_thread(apply_children, memo, owner, parsed, canary_state, body)
     pods = list(engine_pods.get(key, []))
     samples, metrics_window = await _scrape_if_due(parsed, pods, memo, logger)
     current = dict(status)
+    now = datetime.datetime.now(datetime.timezone.utc)
     desired = compute_status(
         name=name,
         generation=meta.get("generation", 0),
         spec=parsed,
-        deployment=deployments[0] if deployments else None,
+        deployment=canary.combined(deployments[0] if deployments else None, canaries[0] if canaries else None),
         pods=pods,
         samples=samples,
         window=metrics_window,
         previous=current,
-        now=datetime.datetime.now(datetime.timezone.utc),
+        now=now,
         memory=memory,
+        compatibility=checks.compatibility,
+    )
+    await _step_canary(
+        owner, parsed, canary_state, pods, current, desired, memo, body, now, checks.blocks, engine_deployments
     )
     changes = status_patch(current, desired)
     for field, value in changes.items():
@@ -408,3 +506,44 @@ async def refresh_status(
     old_plan = current.get("memoryPlan") or {}
     if memory.blocks and (old_plan.get("result"), old_plan.get("message")) != (memory.result, memory.message):
         kopf.warn(body, reason="DoesNotFit", message=memory.message)
+    compatibility = checks.compatibility
+    said = _condition(current.get("conditions") or [], "Compatible")
+    if compatibility.blocks and (said.get("status"), said.get("message")) != ("False", compatibility.message):
+        kopf.warn(body, reason="Incompatible", message=compatibility.message)
+
+
+async def _step_canary(
+    owner: Owner,
+    spec: api.SpeculativeDeploymentSpec,
+    state: api.DrafterCanaryStatus | None,
+    pods: list[PodView],
+    current: dict[str, Any],
+    desired: dict[str, Any],
+    memo: kopf.Memo,
+    body: Any,
+    now: datetime.datetime,
+    blocked: bool,
+    engine_deployments: kopf.Index,
+) -> None:
+    """The drafter canary's tick: its next state and condition into `desired`, an Event when it starts or
+    ends, and the children applied again when what they should run changed. Only for the spec they were last
+    applied for: a tick that read the resource before a spec change must not undo the reconcile of it."""
+    step = canary.step(
+        spec=spec,
+        state=state,
+        pods=pods,
+        latest=memo.get("samples", {}),
+        baselines=memo.get("canary_baselines", {}),
+        now=now,
+        name_taken=(owner.namespace, canary.canary_name(owner.name)) in engine_deployments,
+    )
+    memo.canary_baselines = step.baselines
+    desired["drafterCanary"] = canary.status_value(step.state)
+    if condition := canary.condition(step.state, current.get("conditions") or [], desired["observedGeneration"], now):
+        desired["conditions"].append(condition)
+    if step.event is not None:
+        type_, reason, message = step.event
+        kopf.event(body, type=type_, reason=reason, message=message)
+    applied_spec, applied_plan = memo.get("applied", (None, None))
+    if not blocked and applied_spec == spec and applied_plan != canary.plan(spec, step.state):
+        await asyncio.to_thread(apply_children, memo, owner, spec, step.state, body)

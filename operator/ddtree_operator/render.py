@@ -209,13 +209,15 @@ def engine_config(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
         if spec.drafter.revision:
             model["drafter_revision"] = spec.drafter.revision
     speculation_spec = spec.speculation
-    budget: int | dict[int, int] = speculation_spec.budget
+    budget: int | str | dict[int, int] = speculation_spec.budget
     if speculation_spec.budget_by_batch_size:
         budget = {
             s.max_batch_size: s.budget
             for s in sorted(speculation_spec.budget_by_batch_size, key=lambda s: s.max_batch_size)
         }
-    speculation: dict[str, Any] = {"method": ENGINE_METHOD[speculation_spec.method], "budget": budget}
+    speculation: dict[str, Any] = {"method": ENGINE_METHOD[speculation_spec.method]}
+    if budget != api.AUTO_BUDGET or speculation_spec.method == "ddtree":  # auto, the default, is ddtree's alone
+        speculation["budget"] = budget
     if speculation_spec.block_size is not None:
         speculation["block_size"] = speculation_spec.block_size
     config: dict[str, Any] = {"model": model, "speculation": speculation}
@@ -243,6 +245,11 @@ def engine_config(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
 
 def engine_config_text(spec: SpeculativeDeploymentSpec) -> str:
     return yaml.safe_dump(engine_config(spec), sort_keys=False)
+
+
+def engine_config_hash(spec: SpeculativeDeploymentSpec) -> str:
+    """The pods' CONFIG_HASH_ANNOTATION: which configuration a pod runs."""
+    return hashlib.sha256(engine_config_text(spec).encode()).hexdigest()
 
 
 def engine_args(spec: SpeculativeDeploymentSpec) -> list[str]:
@@ -446,7 +453,7 @@ def render_deployment(owner: Owner, spec: SpeculativeDeploymentSpec, defaults: E
                         **defaults.pod_annotations,
                         DEFAULT_CONTAINER_ANNOTATION: ENGINE_CONTAINER,
                         # a changed configuration rolls the pods (a mounted ConfigMap alone would not)
-                        CONFIG_HASH_ANNOTATION: hashlib.sha256(engine_config_text(spec).encode()).hexdigest(),
+                        CONFIG_HASH_ANNOTATION: engine_config_hash(spec),
                     },
                 },
                 "spec": pod_spec,

@@ -7,10 +7,11 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
+from .admission import Compatibility
 from .api import SpeculativeDeploymentSpec
 from .fit import MemoryCheck
 from .metrics import EngineSample, Window
-from .render import ENGINE_CONTAINER, selector_string
+from .render import CONFIG_HASH_ANNOTATION, ENGINE_CONTAINER, selector_string
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class PodView:
     ready: bool
     running: bool
     failure: Failure | None  # set only while the engine is not ready again
+    config_hash: str | None = None  # the engine configuration it runs (CONFIG_HASH_ANNOTATION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         ready=ready and not pod["metadata"].get("deletionTimestamp"),
         running=status.get("phase") == "Running",
         failure=failure,
+        config_hash=(pod["metadata"].get("annotations") or {}).get(CONFIG_HASH_ANNOTATION),
     )
 
 
@@ -224,11 +227,12 @@ def compute_status(
     previous: Mapping[str, Any],
     now: datetime.datetime,
     memory: MemoryCheck | None = None,
+    compatibility: Compatibility | None = None,
 ) -> dict[str, Any]:
     """The whole status. `samples` is this tick's scrape of ready pods (by UID, maybe empty), `window`
     the rates since the previous scrape (None when there was no scrape or no earlier sample), `memory` the
-    fit check of the current spec (a spec that does not fit is Failed whatever still runs: the operator
-    applies nothing of it)."""
+    fit check of the current spec and `compatibility` its config checks (the Compatible condition; a spec
+    that fails either is Failed whatever still runs: the operator applies nothing of it)."""
     desired = spec.replicas
     ready = deployment.ready_replicas if deployment else 0
     updated = deployment.updated_replicas if deployment else 0
@@ -244,13 +248,16 @@ def compute_status(
     phase, reason, message = _phase(spec, deployment, pods, failing, rolled_out, metrics.get("acceptanceLength"))
     if memory is not None and memory.blocks:
         phase, reason, message = "Failed", "DoesNotFit", memory.message
+    if compatibility is not None and compatibility.blocks:
+        phase, reason, message = "Failed", "Incompatible", compatibility.message
+    blocked = reason in ("DoesNotFit", "Incompatible")
     counts = f"{ready}/{desired} replicas ready"
 
-    if desired > 0 and ready >= desired and reason != "DoesNotFit":
+    if desired > 0 and ready >= desired and not blocked:
         serving: Outcome = ("True", "AllReplicasReady", counts)
     else:
         serving = ("False", reason, message)
-    if reason == "DoesNotFit":
+    if blocked:
         progressing: Outcome = ("False", reason, message)
     elif deployment is not None and deployment.progress_deadline_exceeded:
         progressing = ("False", "ProgressDeadlineExceeded", message)
@@ -263,16 +270,11 @@ def compute_status(
     else:
         degraded = ("False", "AsExpected", counts)
 
+    outcomes = [("Ready", serving), ("Progressing", progressing), ("SmokeTestPassed", smoke), ("Degraded", degraded)]
+    if compatibility is not None:
+        outcomes.append(("Compatible", compatibility.condition()))
     previous_conditions = previous.get("conditions") or []
-    conditions = [
-        set_condition(previous_conditions, type_, *outcome, generation, now)
-        for type_, outcome in (
-            ("Ready", serving),
-            ("Progressing", progressing),
-            ("SmokeTestPassed", smoke),
-            ("Degraded", degraded),
-        )
-    ]
+    conditions = [set_condition(previous_conditions, type_, *outcome, generation, now) for type_, outcome in outcomes]
     return {
         "observedGeneration": generation,
         "phase": phase,

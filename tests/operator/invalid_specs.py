@@ -88,12 +88,17 @@ INVALID_SPECS = {
         {**VALID, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
         "spec.autoscaling.minReplicas must be <= spec.autoscaling.maxReplicas",
     ),
+    "drafter-canary-without-pods": (
+        {**VALID, "drafterCanary": {"replicas": "0%"}},
+        "spec.drafterCanary.replicas must be at least 1",
+    ),
 }
 
 # Bounds and formats enforced by plain OpenAPI keywords: id -> (spec, path the server names)
 OUT_OF_BOUNDS_SPECS = {
     "budget-too-large": ({**VALID, "speculation": {"budget": 4096}}, "spec.speculation.budget"),
     "budget-zero": ({**VALID, "speculation": {"budget": 0}}, "spec.speculation.budget"),
+    "budget-neither-a-number-nor-auto": ({**VALID, "speculation": {"budget": "often"}}, "spec.speculation.budget"),
     "budget-step-negative": (
         {**VALID, "speculation": {"budgetByBatchSize": [{"maxBatchSize": 4, "budget": -1}]}},
         "spec.speculation.budgetByBatchSize[0].budget",
@@ -118,4 +123,5 @@ OUT_OF_BOUNDS_SPECS = {
     ),
     "autoscaling-without-max": ({**VALID, "autoscaling": {"minReplicas": 1}}, "spec.autoscaling.maxReplicas"),
     "autoscaling-target-zero": ({**VALID, "autoscaling": {"maxReplicas": 2, "target": 0}}, "spec.autoscaling.target"),
+    "drafter-canary-tolerance-above-1": ({**VALID, "drafterCanary": {"tolerance": 2}}, "spec.drafterCanary.tolerance"),
 }

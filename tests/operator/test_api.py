@@ -25,7 +25,7 @@ def test_examples_are_valid_specs(path):
 
 def test_defaults():
     spec = SpeculativeDeploymentSpec.model_validate(VALID)
-    assert spec.speculation.method == "ddtree" and spec.speculation.budget == 32
+    assert spec.speculation.method == "ddtree" and spec.speculation.budget == "auto"
     assert spec.speculation.block_size is None  # taken from the drafter by the engine
     assert spec.replicas == 1 and spec.parallelism.tensor == 1 and spec.resources.gpus == 0
     assert spec.resources.shared_memory_size == "1Gi"

@@ -94,7 +94,7 @@ def test_name_must_be_a_dns_label(cluster, chart_installed, namespace):
 def test_server_defaults_equal_pydantic_defaults(cluster, chart_installed, namespace):
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=resource("minimal", VALID))
     stored = cluster.specdeploy(namespace, "minimal")["spec"]
-    assert stored["speculation"]["budget"] == 32 and stored["readiness"]["startupTimeoutSeconds"] == 3600
+    assert stored["speculation"]["budget"] == "auto" and stored["readiness"]["startupTimeoutSeconds"] == 3600
     assert SpeculativeDeploymentSpec.model_validate(stored) == SpeculativeDeploymentSpec.model_validate(VALID)
 
 
@@ -133,7 +133,7 @@ def test_every_status_field_survives_the_structural_schema(cluster, chart_instal
     # The printer columns of `kubectl get specdeploy` show them.
     row = cluster.get_row(namespace, "full-status")
     assert list(row) == ["NAME", "READY", "REPLICAS", "METHOD", "BUDGET", "ACCLEN", "TOK/S", "PHASE", "AGE"]
-    assert list(row.values())[:8] == ["full-status", "1", "1", "ddtree", "32", "2.5", "42", "Degraded"]
+    assert list(row.values())[:8] == ["full-status", "1", "1", "ddtree", "auto", "2.5", "42", "Degraded"]
 
 
 def test_scale_subresource_reports_selector(cluster, chart_installed, namespace):

@@ -1,11 +1,13 @@
 """The Helm chart: lint, schema-validated values, least-privilege RBAC, what the operator Deployment runs."""
 
+import base64
 import json
 import subprocess
 
 import pytest
 import yaml
 
+from ddtree_operator.handlers import ADMISSION_HUB_TIMEOUT_SECONDS, WEBHOOK_ID
 from ddtree_operator.render import engine_defaults_from_env
 from kube_testbed import CHART, OPERATOR_NAMESPACE, OPERATOR_SA
 
@@ -68,7 +70,10 @@ def test_renders_the_expected_objects(helm):
         ("ClusterRoleBinding", "ddtree-operator"),
         ("CustomResourceDefinition", "speculativedeployments.ddtree.dev"),
         ("Deployment", "ddtree-operator"),
+        ("Secret", "ddtree-webhook-tls"),
+        ("Service", "ddtree-webhook"),
         ("ServiceAccount", "ddtree-operator"),
+        ("ValidatingWebhookConfiguration", "ddtree-webhook"),
     ]
 
 
@@ -353,3 +358,119 @@ def test_user_roles_aggregate_into_the_builtin_roles(helm):
     assert ("ddtree.dev", "speculativedeployments/status", "patch") not in edit_rules  # status is the operator's
     names = {d["metadata"]["name"] for d in template(helm, "--set", "rbac.userRoles=false")}
     assert not {"ddtree-view", "ddtree-edit"} & names
+
+
+def webhook_objects(docs: list[dict]) -> dict[str, dict]:
+    kinds = ("Secret", "Service", "ValidatingWebhookConfiguration", "Certificate", "Issuer")
+    return {d["kind"]: d for d in docs if d["kind"] in kinds}
+
+
+def test_the_webhook_is_served_with_the_certificate_the_api_server_trusts(helm, tmp_path):
+    docs = template(helm)
+    objects = webhook_objects(docs)
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["DDTREE_WEBHOOK_PORT"] == "9443" and {"name": "webhook", "containerPort": 9443} in container["ports"]
+    assert container["volumeMounts"] == [
+        {"name": "webhook-cert", "mountPath": env["DDTREE_WEBHOOK_CERT_DIR"], "readOnly": True}
+    ]
+    assert pod["volumes"] == [{"name": "webhook-cert", "secret": {"secretName": "ddtree-webhook-tls"}}]
+    assert objects["Service"]["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook"}]
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert objects["Service"]["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+    (hook,) = objects["ValidatingWebhookConfiguration"]["webhooks"]
+    assert hook["clientConfig"]["service"] == {
+        "name": "ddtree-webhook",
+        "namespace": OPERATOR_NAMESPACE,
+        "path": f"/{WEBHOOK_ID}",  # kopf routes a request to the handler its path names
+        "port": 443,
+    }
+    # a down operator never blocks an apply, and the API server outwaits the operator's own fetch
+    assert hook["failurePolicy"] == "Ignore" and hook["timeoutSeconds"] > ADMISSION_HUB_TIMEOUT_SECONDS
+    assert hook["rules"] == [
+        {
+            "apiGroups": ["ddtree.dev"],
+            "apiVersions": ["v1alpha1"],
+            "resources": ["speculativedeployments"],
+            "operations": ["CREATE", "UPDATE"],
+            "scope": "Namespaced",
+        }
+    ]
+    assert "namespaceSelector" not in hook and hook["sideEffects"] == "None"
+
+    # the CA the API server is given signed the serving certificate, which names the Service
+    data = objects["Secret"]["data"]
+    assert objects["Secret"]["type"] == "kubernetes.io/tls" and hook["clientConfig"]["caBundle"] == data["ca.crt"]
+    for key in ("ca.crt", "tls.crt"):
+        (tmp_path / key).write_bytes(base64.b64decode(data[key]))
+    verify = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), str(tmp_path / "tls.crt")],
+        capture_output=True,
+        text=True,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    names = subprocess.run(
+        ["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(tmp_path / "tls.crt")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f"DNS:ddtree-webhook.{OPERATOR_NAMESPACE}.svc" in names, names
+
+
+def test_the_webhook_settings_and_namespaced_mode(helm):
+    docs = template(helm, *NAMESPACED, "--set", "webhook.failurePolicy=Fail", "--set", "webhook.timeoutSeconds=20")
+    (hook,) = webhook_objects(docs)["ValidatingWebhookConfiguration"]["webhooks"]
+    assert (hook["failurePolicy"], hook["timeoutSeconds"]) == ("Fail", 20)
+    assert hook["namespaceSelector"] == {
+        "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["llm", "research"]}]
+    }
+
+
+def test_cert_manager_issues_the_webhook_certificate_when_enabled(helm):
+    objects = webhook_objects(template(helm, "--set", "webhook.certManager.enabled=true"))
+    assert "Secret" not in objects  # cert-manager writes it
+    certificate, issuer = objects["Certificate"], objects["Issuer"]
+    assert certificate["spec"]["secretName"] == "ddtree-webhook-tls"
+    assert f"ddtree-webhook.{OPERATOR_NAMESPACE}.svc" in certificate["spec"]["dnsNames"]
+    assert certificate["spec"]["issuerRef"] == {"kind": "Issuer", "name": issuer["metadata"]["name"]}
+    assert issuer["spec"] == {"selfSigned": {}}
+    configuration = objects["ValidatingWebhookConfiguration"]
+    # cainjector fills in the CA bundle from the Certificate
+    assert configuration["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": f"{OPERATOR_NAMESPACE}/ddtree-webhook"
+    }
+    assert "caBundle" not in configuration["webhooks"][0]["clientConfig"]
+
+    own = webhook_objects(
+        template(
+            helm,
+            "--set",
+            "webhook.certManager.enabled=true",
+            "--set",
+            "webhook.certManager.issuerRef.kind=ClusterIssuer",
+            "--set",
+            "webhook.certManager.issuerRef.name=company-ca",
+        )
+    )
+    assert "Issuer" not in own
+    assert own["Certificate"]["spec"]["issuerRef"] == {"kind": "ClusterIssuer", "name": "company-ca"}
+
+
+def test_the_webhook_can_be_turned_off(helm):
+    docs = template(helm, "--set", "webhook.enabled=false")
+    assert webhook_objects(docs) == {}
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]
+    assert not {e["name"] for e in pod["containers"][0]["env"]} & {"DDTREE_WEBHOOK_PORT", "DDTREE_WEBHOOK_CERT_DIR"}
+
+
+@pytest.mark.parametrize(
+    "value, named",
+    [("webhook.failurePolicy=Never", "failurePolicy"), ("webhook.timeoutSeconds=60", "timeoutSeconds")],
+)
+def test_values_schema_rejects_bad_webhook_settings(helm, value, named):
+    result = render(helm, "--set", value)
+    assert result.returncode != 0 and named in result.stderr, result.stderr

@@ -96,6 +96,7 @@ def test_namespaced_mode_runs_the_operator_without_cluster_wide_workload_access(
         f"--set=operator.watchNamespaces={{{watched}}}",
         "--set=crds.install=false",  # the CRD is already there: the chart_installed fixture installed it
         "--set=rbac.userRoles=false",
+        "--set=webhook.enabled=false",  # its Service is not routed here (conftest.chart_installed says why)
     )  # fmt: skip
     try:
         service_account = f"{release}-ddtree-operator"
@@ -180,6 +181,7 @@ def test_installs_as_a_subchart_with_global_values(cluster, chart_installed, nam
                     "crds": {"install": False},  # the CRD is already there: the chart_installed fixture installed it
                     "engine": {"nodeGpus": 4},
                     "dashboards": {"enabled": True},
+                    "webhook": {"enabled": False},  # its Service is not routed here (conftest.chart_installed)
                 },
             }
         )
@@ -230,3 +232,29 @@ def test_user_roles_extend_the_builtin_view_edit_and_admin(cluster, chart_instal
 
     assert can_i(cluster, "owner", "delete", specdeploy, *where)
     assert can_i(cluster, "owner", "update", specdeploy, "--subresource=scale", *where)
+
+
+def test_an_upgrade_keeps_the_webhook_certificate_helm_made(cluster, chart_installed, namespaces):
+    # The webhook is scoped to a namespace nothing is applied in: its Service is not routed here
+    # (conftest.chart_installed), so the API server must never call it.
+    release_namespace, watched = namespaces("ops"), namespaces("quiet")
+    release = "certs"
+    kube = (f"--kubeconfig={cluster.kubeconfig}", f"--namespace={release_namespace}")
+    values = (f"--set=operator.watchNamespaces={{{watched}}}", "--set=crds.install=false", "--set=rbac.userRoles=false")
+    secret_name = f"{release}-ddtree-webhook-tls"
+
+    def installed() -> tuple[dict, str]:
+        secret = cluster.core.read_namespaced_secret(secret_name, release_namespace).data
+        configuration = json.loads(
+            cluster.kubectl("get", "validatingwebhookconfiguration", f"{release}-ddtree-webhook", "-o", "json").stdout
+        )
+        return secret, configuration["webhooks"][0]["clientConfig"]["caBundle"]
+
+    cluster.helm("install", release, str(CHART), *kube, *values)
+    try:
+        secret, ca_bundle = installed()
+        assert ca_bundle == secret["ca.crt"] and secret["tls.crt"] and secret["tls.key"]
+        cluster.helm("upgrade", release, str(CHART), *kube, *values, "--set=operator.logLevel=verbose")
+        assert installed() == (secret, ca_bundle)
+    finally:
+        cluster.helm("uninstall", release, *kube)

@@ -31,7 +31,9 @@ def exported_series() -> tuple[set[str], set[str]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     metrics = ServerMetrics("smollm2")
-    metrics.request_finished(200)  # the one family labelled by more than the model gets a child
+    # the families labelled by more than the model get a child, as a serving engine's have
+    metrics.request_finished(200)
+    metrics.num_drafts.labels(model="smollm2", budget="8")
     body, _ = metrics.render()
     samples = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples]
     return {s.name for s in samples}, {label for s in samples for label in s.labels}
@@ -152,6 +154,8 @@ def test_dashboard_panels_cover_the_serving_picture(expressions):
         "ddtree_requests_running",
         "ddtree_kv_cache_usage_ratio",
         "ddtree_spec_budget",
+        "ddtree_spec_decode_num_drafts_total",
+        "ddtree_spec_decode_forecast_accepted_tokens_total",
         "ddtree_smoke_test_passed",
         "ddtree_load",
     ]:

@@ -110,9 +110,9 @@ def test_new_fields_are_stored_and_rendered(cluster, namespace):
         {
             "model": {"uri": "smollm2-135m-instruct", "trustRemoteCode": True},
             "drafter": {"uri": "smollm2-135m-instruct-dflash"},
-            "parallelism": {"tensor": 2, "expert": 1},
+            "parallelism": {"tensor": 3, "expert": 1},  # 3 divides SmolLM2's heads (the config checks)
             "engine": {"maxSeqLen": 4096},
-            "resources": {"gpus": 2, "gpuMemory": "80Gi"},
+            "resources": {"gpus": 3, "gpuMemory": "80Gi"},
             "rollout": {"maxSurge": "50%", "maxUnavailable": 0},
         },
     )
@@ -124,7 +124,7 @@ def test_new_fields_are_stored_and_rendered(cluster, namespace):
     assert found.spec.strategy.rolling_update.max_unavailable == 0
     config = yaml.safe_load(cluster.core.read_namespaced_config_map("fields", namespace).data["engine.yaml"])
     assert config["model"]["trust_remote_code"] is True
-    assert config["parallel"] == {"tensor_parallel": 2, "expert_parallel": 1}
+    assert config["parallel"] == {"tensor_parallel": 3, "expert_parallel": 1}
     assert config["serving"]["max_seq_len"] == 4096
     plan = memory_plan(cluster, namespace, "fields", "Skipped")
     assert plan["message"] == "memory plan skipped: smollm2-135m-instruct is a built-in model, not a hub id"

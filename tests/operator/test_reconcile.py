@@ -393,7 +393,7 @@ def test_applying_into_a_namespace_that_is_gone_is_a_temporary_error(cluster):
     memo = kopf.Memo(api=cluster.api, defaults=EngineDefaults(image=ENGINE_IMAGE, image_pull_policy="IfNotPresent"))
     owner = Owner("smollm2-cpu", "t-gone-0000", "0")
     with pytest.raises(kopf.TemporaryError, match="namespace t-gone-0000 is gone"):
-        handlers.apply_children(memo, owner, api.SpeculativeDeploymentSpec.model_validate(spec), body={})
+        handlers.apply_children(memo, owner, api.SpeculativeDeploymentSpec.model_validate(spec), None, body={})
 
 
 def test_several_replicas_get_a_pod_disruption_budget(cluster, namespace):

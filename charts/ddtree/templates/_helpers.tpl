@@ -75,10 +75,11 @@ namespaces, of a Role in each watched namespace otherwise. Exactly the verbs it 
 - apiGroups: [ddtree.dev]
   resources: [speculativedeployments/finalizers]
   verbs: [update]
-# Children: server-side apply (create + patch); deployments are watched for status.
+# Children: server-side apply (create + patch); deployments are watched for status, and a drafter canary's
+# Deployment is read and deleted when the canary ends.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [create, patch]
@@ -104,4 +105,8 @@ namespaces, of a Role in each watched namespace otherwise. Exactly the verbs it 
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- end -}}
+
+{{- define "ddtree.webhookName" -}}
+{{- printf "%s-webhook" (include "ddtree.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
