@@ -9,6 +9,8 @@
 # rounds     whole ar / dflash / ddtree rounds by budget and batch size, same shapes (cost only)
 # smollm2    SmolLM2-135M-Instruct with the shipped drafter: tokens/s and acceptance by batch size
 # serve      `ddtree serve` + `ddtree bench-serve` at 1..64 clients for ar, dflash and ddtree
+# budget-auto (not in the default set) the same load for ddtree with --budget auto against budgets 8, 16, 32,
+#            64 and the per-batch-size policy of the smollm2 part
 # gpu-tests  the tests marked gpu
 # first-pass (not in the default set) the first request of each new prompt length against the second:
 #            `ddtree serve` of the Qwen3-8B shape (random weights, ar and ddtree) with an empty Triton cache,
@@ -35,8 +37,9 @@ PARTS=("$@")
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
 for part in "${PARTS[@]}"; do
   case $part in
-    micro|rounds|smollm2|serve|gpu-tests|kernels|moe|quant|load|first-pass) ;;
-    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, gpu-tests, kernels, moe, quant, load, first-pass)" >&2
+    micro|rounds|smollm2|serve|budget-auto|gpu-tests|kernels|moe|quant|load|first-pass) ;;
+    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, budget-auto, gpu-tests, kernels, moe, quant, load," \
+         "first-pass)" >&2
        exit 2 ;;
   esac
 done
@@ -46,6 +49,39 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
 ddtree() { $PY -m ddtree "$@"; }
 log() { printf '\n==> %s\n' "$*" >&2; }
+
+# serve_and_bench DIR NAME SERVE_FLAGS...: SmolLM2 with the shipped drafter behind `ddtree serve` (64 rows),
+# one unmeasured pass, then bench-serve at 1, 8, 32 and 64 clients into DIR/NAME.jsonl, and the server's
+# metrics at the end into DIR/NAME.metrics (rounds by budget, forecast against accepted tokens);
+# DDTREE_BENCH_REQUESTS requests per client (default 4)
+serve_and_bench() {
+  local dir=$1 name=$2
+  shift 2
+  local port server client
+  port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  $PY -m ddtree serve "${SMOL[@]}" "$@" --max-batch-size 64 --kernels triton --port "$port" \
+    > "$dir/$name.log" 2>&1 &
+  server=$!
+  # a first pass over the prompts: the steady state after it is what is measured
+  { $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --concurrency 16 --requests-per-client 1 \
+      --max-tokens 16 --json > "$dir/$name-warmup.jsonl" &&
+    $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --concurrency 1,8,32,64 \
+      --requests-per-client "${DDTREE_BENCH_REQUESTS:-4}" --max-tokens 128 --json > "$dir/$name.jsonl" &&
+    $PY -c 'import sys, urllib.request
+sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' "http://127.0.0.1:$port/metrics" \
+      > "$dir/$name.metrics"; } &
+  client=$!
+  # bench-serve waits for the smoke test to pass: a server that exits first must not hold it up
+  while kill -0 "$client" 2>/dev/null; do
+    if ! kill -0 "$server" 2>/dev/null; then
+      pkill -P "$client" 2>/dev/null; kill "$client" 2>/dev/null
+      echo "ddtree serve ($name) exited: $(tail -n 1 "$dir/$name.log")" >&2
+    fi
+    sleep 1
+  done
+  wait "$client" || true
+  kill "$server" 2>/dev/null; wait "$server" || true
+}
 
 {
   echo "{\"commit\": \"${DDTREE_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}\","
@@ -122,27 +158,17 @@ try:
 except (OSError, KeyError, TypeError):
     print(sys.argv[2])' "$OUT_DIR/smollm2/bench.json" "${DDTREE_SERVE_BUDGET:-1:128,4:8,16:8,64:0}")")
         fi
-        port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-        $PY -m ddtree serve "${SMOL[@]}" --method "$method" "${budget[@]}" --max-batch-size 64 \
-          --kernels triton --port "$port" > "$OUT_DIR/serve/$method.log" 2>&1 &
-        server=$!
-        # a first pass over the prompts compiles the prefill kernels of each new prompt length (a known
-        # stall, docs/benchmarks.md); it is not measured, the steady state after it is
-        { $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --concurrency 16 --requests-per-client 1 \
-            --max-tokens 16 --json > "$OUT_DIR/serve/$method-warmup.jsonl" &&
-          $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --concurrency 1,8,32,64 \
-            --requests-per-client 4 --max-tokens 128 --json > "$OUT_DIR/serve/$method.jsonl"; } &
-        client=$!
-        # bench-serve waits for the smoke test to pass: a server that exits first must not hold it up
-        while kill -0 "$client" 2>/dev/null; do
-          if ! kill -0 "$server" 2>/dev/null; then
-            pkill -P "$client" 2>/dev/null; kill "$client" 2>/dev/null
-            echo "ddtree serve ($method) exited: $(tail -n 1 "$OUT_DIR/serve/$method.log")" >&2
-          fi
-          sleep 1
-        done
-        wait "$client" || true
-        kill "$server" 2>/dev/null; wait "$server" || true
+        serve_and_bench "$OUT_DIR/serve" "$method" --method "$method" "${budget[@]}"
+      done ;;
+    budget-auto)
+      mkdir -p "$OUT_DIR/budget-auto"
+      # --budget auto against single budgets and the per-batch-size policy `bench` recommended for this model
+      # (DDTREE_BUDGET_AUTO_RUNS: a space-separated subset of those budgets, to rerun some)
+      read -r -a runs <<< "${DDTREE_BUDGET_AUTO_RUNS:-auto 8 16 32 64 ${DDTREE_SERVE_BUDGET:-1:128,4:8,16:8,64:0}}"
+      for budget in "${runs[@]}"; do
+        log "budget-auto: ddtree --budget $budget behind ddtree serve, 1..64 clients"
+        serve_and_bench "$OUT_DIR/budget-auto" "budget-$(tr ':,' 'x_' <<< "$budget")" --method ddtree \
+          --budget "$budget"
       done ;;
     first-pass)
       mkdir -p "$OUT_DIR/first-pass"

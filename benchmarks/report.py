@@ -34,6 +34,14 @@ def load(results: Path) -> dict:
             serve[method] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if serve:
         data["serve"] = serve
+    # budget-auto/: one server per budget, NAME.jsonl with NAME budget-B (":" and "," of a policy as "x", "_")
+    budgets = {}
+    for path in sorted((results / "budget-auto").glob("budget-*.jsonl")):
+        if not path.stem.endswith("-warmup") and path.stat().st_size:
+            label = path.stem.removeprefix("budget-").replace("x", ":").replace("_", ",")
+            budgets[label] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if budgets:
+        data["budget_auto"] = budgets
     # first-pass/: gpu.sh's output, or one folder per commit compared (each with its host.json)
     first = results / "first-pass"
     runs = {}
@@ -307,6 +315,22 @@ def markdown(data: dict) -> str:
                 table,
             )
         )
+    if "budget_auto" in data:
+        clients = sorted({r["concurrency"] for levels in data["budget_auto"].values() for r in levels})
+        table = []
+        for label, levels in data["budget_auto"].items():
+            by_clients = {r["concurrency"]: r for r in levels}
+            table.append(
+                [f"`{label}`"]
+                + [
+                    f"{round(by_clients[c]['output_tokens_per_s'])} ({by_clients[c]['acceptance_length']:.2f})"
+                    if c in by_clients
+                    else ""
+                    for c in clients
+                ]
+            )
+        out.append("budget auto against fixed budgets: output tokens/s (acceptance length):")
+        out.append(_table(["budget", *(f"{c} client{'s' * (c > 1)}" for c in clients)], table))
     if "first_pass" in data:
         table = []
         for method in ("ar", "ddtree"):
@@ -343,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {args.results} is not a folder", file=sys.stderr)
         return 2
     data = load(args.results)
-    if not any(k in data for k in ("micro", "rounds", "smollm2", "serve")):
+    if not any(k in data for k in ("micro", "rounds", "smollm2", "serve", "budget_auto", "first_pass")):
         print(f"report: no benchmark output in {args.results}", file=sys.stderr)
         return 2
     if args.charts:

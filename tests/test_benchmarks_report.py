@@ -7,7 +7,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "benchmarks" / "report.py"
-RESULTS = sorted((REPO / "benchmarks" / "results").iterdir())[-1]
+# the newest results holding the default parts (later folders may hold single parts run on request)
+RESULTS = sorted(p for p in (REPO / "benchmarks" / "results").iterdir() if (p / "micro").is_dir())[-1]
 
 
 def test_the_committed_results_give_every_chart_and_the_tables(tmp_path):
@@ -33,6 +34,17 @@ def test_the_committed_results_give_every_chart_and_the_tables(tmp_path):
     flag = json.loads((RESULTS / "smollm2" / "bench.json").read_text())["recommended_budget"]["flag"]
     assert f"recommended: `{flag}`" in done.stdout
     assert flag.split()[1] in (REPO / "docs" / "benchmarks.md").read_text(), "the page quotes the recommendation"
+
+
+def test_the_budget_auto_runs_give_the_tables_on_the_page():
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    for folder in sorted((REPO / "benchmarks" / "results").glob("*/*/budget-auto")):
+        done = subprocess.run(
+            [sys.executable, str(REPORT), str(folder.parent), "--markdown"], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        auto = next(line for line in done.stdout.splitlines() if line.startswith("| `auto` |"))
+        assert auto.removeprefix("| `auto` |") in page, f"the page quotes {folder}'s auto row"
 
 
 def test_a_folder_without_results_is_one_line_and_exit_2(tmp_path):
