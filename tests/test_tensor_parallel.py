@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddtree.runtime.constrained import constrain
 from ddtree.runtime.engine import Engine, SamplingParams
 from ddtree.runtime.parallel import Leader, check_divisible, command_group, follow, launch, shard, split
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
+from test_constrained import ResidueConstraint
 from tiny_models import random_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
@@ -187,6 +189,11 @@ def drive(engine):
     out["first"].append(engine.add(2, PROMPTS[2], greedy))
     for _ in range(3):
         out["steps"].append(engine.step(3))
+    # constrained decoding: replacements (a sampled one in row 1) are made on every rank alike
+    emitted = engine.step(3)
+    out["steps"].append([list(tokens) for tokens in emitted])
+    constrain(engine, emitted, {1: ResidueConstraint(64), 2: ResidueConstraint(64)})
+    out["constrained"] = emitted
     engine.release(0)  # row 0 leaves, rows 1 and 2 go on
     for _ in range(2):
         out["steps"].append(engine.step(3))
@@ -220,7 +227,7 @@ def tiny_engine():
 def leader_rank(rank, world):
     target, drafter = tiny_engine()
     shard(target, rank, world)
-    engine = Engine(target, drafter, "ddtree", 8, max_batch_size=3, max_seq_len=96)
+    engine = Engine(target, drafter, "ddtree", 8, max_batch_size=3, max_seq_len=96, logprobs=True)
     group = command_group()
     if rank > 0:
         recorder = Recorder(engine)
@@ -237,11 +244,14 @@ def leader_rank(rank, world):
 
 def test_followers_replay_rank0_calls_in_step_and_greedy_equals_tp1():
     target, drafter = tiny_engine()
-    expected = drive(Engine(target, drafter, "ddtree", 8, max_batch_size=3, max_seq_len=96))
+    expected = drive(Engine(target, drafter, "ddtree", 8, max_batch_size=3, max_seq_len=96, logprobs=True))
     out, (follower,) = launch(2, leader_rank)
     steps = [result for name, result in follower if name == "step"]
     firsts = [result for name, result in follower if name == "add"]
     assert steps == out["steps"] and firsts == out["first"], "a follower sampled or walked differently"
+    (replaced,) = [result for name, result in follower if name == "override"]
+    assert 1 in replaced, "the sampled row's replacement is drawn on every rank alike"
+    assert all(out["constrained"][row][-1] == token for row, token in replaced.items())
     assert [name for name, _ in follower] == [
         "add",
         "step",
@@ -251,12 +261,14 @@ def test_followers_replay_rank0_calls_in_step_and_greedy_equals_tp1():
         "step",
         "step",
         "step",
+        "step",
+        "override",
         "release",
         "step",
         "step",
     ]  # the refused add raised on both
-    greedy = [[s[0] for s in out["steps"][1:4]], [s[2] for s in out["steps"][1:]]]
-    assert greedy == [[s[0] for s in expected["steps"][1:4]], [s[2] for s in expected["steps"][1:]]]
+    greedy = [[s[0] for s in out["steps"][1:5]], [s[2] for s in out["steps"][1:]]]
+    assert greedy == [[s[0] for s in expected["steps"][1:5]], [s[2] for s in expected["steps"][1:]]]
     assert out["first"][::2] == expected["first"][::2]
 
 

@@ -27,6 +27,7 @@ from ddtree.serving.tools import (
     ToolRequest,
     split_tool_calls,
     tool_call_format,
+    tool_call_grammar,
 )
 from in_process_server import InProcessServer
 
@@ -337,6 +338,46 @@ def kimi_history_as_template_sees_it(history: list[dict]) -> list[dict]:
     return out
 
 
+def call_constraint(tokenizer, fmt: str, body: dict):
+    """The constraint "required" or a named tool_choice puts on the answer (None: no grammar)."""
+    from types import SimpleNamespace
+
+    from ddtree.serving.grammar import Grammars
+
+    grammar = tool_call_grammar(FORMATS[fmt], ToolRequest.from_body({"tools": [WEATHER, TIME], **body}))
+    if grammar is None:
+        return None
+    engine = SimpleNamespace(target=SimpleNamespace(config=SimpleNamespace(vocab_size=len(tokenizer))))
+    return Grammars(tokenizer, engine, (tokenizer.eos_token_id,)).constraint(grammar)
+
+
+def test_required_and_named_tool_choices_are_grammars_of_calls(tokenizer):
+    def accepts(fmt: str, body: dict, text: str, tok=tokenizer) -> bool:
+        ids = tok.encode(text, add_special_tokens=False)
+        return call_constraint(tok, fmt, body).validate([*ids, tok.eos_token_id]) == len(ids) + 1
+
+    weather, time = hermes_call("get_weather", {"city": "Paris"}), hermes_call("get_time", {})
+    required = {"tool_choice": "required"}
+    assert accepts("hermes", required, weather) and accepts("hermes", required, f"{weather}\n{time}")
+    for wrong in ("Sure. " + weather, hermes_call("get_weather", {}), hermes_call("get_news", {}), "No call."):
+        assert not accepts("hermes", required, wrong), wrong
+    named = {"tool_choice": {"type": "function", "function": {"name": "get_time"}}, "parallel_tool_calls": False}
+    assert accepts("hermes", named, time) and not accepts("hermes", named, weather)
+    assert not accepts("hermes", named, f"{time}\n{time}"), "one call without parallel_tool_calls"
+    for choice in ("auto", "none"):
+        assert call_constraint(tokenizer, "hermes", {"tool_choice": choice}) is None
+
+    # Kimi K2's markers are special tokens: the grammar names them as such
+    kimi = copy.deepcopy(tokenizer)
+    kimi.add_special_tokens(
+        {"additional_special_tokens": [*FORMATS["kimi_k2"].markers, "<|tool_call_argument_begin|>"]}
+    )
+    both = kimi_calls(("get_weather", {"city": "Rome"}), ("get_time", {}))
+    assert accepts("kimi_k2", required, both, kimi)
+    assert accepts("kimi_k2", named, kimi_calls(("get_time", {})), kimi)
+    assert not accepts("kimi_k2", named, kimi_calls(("get_weather", {"city": "Rome"})), kimi)
+
+
 def test_control_tokens_outside_message_content_are_refused(tokenizer):
     encoder = PromptEncoder(with_template(tokenizer, HERMES_TEMPLATE), 2048)
     sneaky = copy.deepcopy(WEATHER)
@@ -403,7 +444,8 @@ class ScriptedServer(InProcessServer):
 
     def __init__(self, tokenizer, parser: str = "auto"):
         engine = ScriptedEngine(tokenizer.eos_token_id)
-        serving = {"max_seq_len": 1024, "tool_call_parser": parser}
+        # no logits kept: a scripted answer is never held to a tool_choice grammar (the real server's test is)
+        serving = {"max_seq_len": 1024, "tool_call_parser": parser, "max_logprobs": 0}
         super().__init__(engine, tokenizer, serving, (tokenizer.eos_token_id,), model="scripted")
         self.client = super().client()
 
@@ -513,8 +555,8 @@ def test_without_tool_parsing_the_text_is_content(tokenizer, serve):
     assert plain.client.chat.completions.create(model="scripted", messages=ASK).choices[0].message.content == output
     with pytest.raises(openai.BadRequestError, match="chat/completions"):
         plain.client.completions.create(model="scripted", prompt="hi", extra_body={"tools": [WEATHER]})
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-        plain.client.chat.completions.create(model="scripted", messages=ASK, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        plain.client.chat.completions.create(model="scripted", messages=ASK, response_format={"type": "xml"})
 
 
 # ---- a real server: SmolLM2 under a tool-capable template ----------------------------------------
@@ -556,6 +598,25 @@ def test_a_real_server_renders_tools_and_streams_usage(tokenizer, tmp_path):
         final, usage = accumulate(chunks)
         assert [u.usage.model_dump() for u in usage] == [reply.usage.model_dump()], "greedy: the same answer"
         assert final.choices[0].message.content == reply.choices[0].message.content
+        # "required" and a named choice are grammars: the answer is a call, whatever SmolLM2 would have written
+        # (closed schemas, one call: SmolLM2 would otherwise fill open arguments until max_tokens)
+        cities = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+        weather = {"type": "function", "function": {"name": "get_weather", "parameters": cities}}
+        clock = {
+            "type": "function",
+            "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+        }
+        for tool in (weather, clock):
+            tool["function"]["parameters"]["additionalProperties"] = False
+        ask = {**request, "max_tokens": 48, "tools": [weather, clock], "parallel_tool_calls": False}
+        required = client.chat.completions.create(**ask, tool_choice="required")
+        assert required.choices[0].message.tool_calls, repr(required.choices[0].message.content)
+        (call,) = required.choices[0].message.tool_calls
+        assert required.choices[0].finish_reason == "tool_calls" and call.function.name in ("get_weather", "get_time")
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        final, _ = accumulate(list(client.chat.completions.create(**ask, tool_choice=named, stream=True)))
+        (call,) = final.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
     finally:
         server.stop()
     assert "Traceback" not in server.output(10**9)

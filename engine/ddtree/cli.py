@@ -295,7 +295,7 @@ def add_serve_commands(subparsers) -> None:
         "--max-logprobs",
         type=int,
         default=UNSET,
-        help="most top tokens a request may ask log-probabilities for (default 20; 0 refuses logprobs)",
+        help="most top tokens a request may ask log-probabilities for (default 20; 0 refuses them and response_format)",
     )
     p.add_argument("--max-connections", type=int, default=UNSET, help="open client connections (default 1024)")
     p.add_argument(

@@ -112,8 +112,8 @@ class ServingConfig:
     parse_special_tokens: bool = False
     # how tool calls are read from the generated text: hermes, kimi_k2, none, or auto (from the chat template)
     tool_call_parser: str = "auto"
-    # the most top tokens a request may ask log-probabilities for; 0 refuses logprobs and saves keeping the
-    # accepted path's logits every round
+    # the most top tokens a request may ask log-probabilities for; 0 refuses logprobs and response_format,
+    # and saves keeping the accepted path's logits every round
     max_logprobs: int = 20
     max_connections: int = 1024  # open client connections; beyond it a connection gets 503 and is closed
     header_timeout: float = 30.0  # seconds from a request's first byte to the end of its headers

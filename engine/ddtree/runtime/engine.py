@@ -34,7 +34,7 @@ from ..models.llama import Transformer
 from ..speculative.dflash2 import DFlash2Drafter
 from ..speculative.drafter import DFlashDrafter, DrafterMismatchError
 from ..speculative.tree import Tree, build_chain, chain, expected_accepted, root_only
-from ..speculative.verify import decide, tree_mask, walk
+from ..speculative.verify import decide, processed_probs, tree_mask, walk
 from .budget import BudgetController
 from .fused import tree_builder, use_backend, use_drafter_backend
 from .graphs import default_span_buckets
@@ -203,6 +203,7 @@ class Engine:
         self.host_lengths = [0] * b
         self.host_sampling = [False] * b
         self.host_active = [False] * b
+        self.host_emitted = [0] * b  # tokens each row emitted in its last round (or prefill): override's cut
 
     # ---- joining and leaving ----------------------------------------------------------------
 
@@ -286,6 +287,7 @@ class Engine:
             self.host_lengths[row] = n
             self.host_sampling[row] = params.temperature > 0
             self.host_active[row] = True
+            self.host_emitted[row] = 1
         logits = self.target.logits(last[:, None])
         if self.path_logits is not None:
             self.path_logits[index, 0] = logits[:, 0, : self.path_logits.shape[-1]]
@@ -552,8 +554,48 @@ class Engine:
                 out.append([])
                 continue
             self.host_lengths[row] += result[0]
+            self.host_emitted[row] = result[0]
             out.append(result[1 : 1 + result[0]])
         return out
+
+    @torch.inference_mode()
+    def override(self, fixes: dict[int, tuple[int, Tensor]]) -> dict[int, int]:
+        """Constrained decoding (constrained.py): for each row, {row: (at, allowed)}, replace the token it
+        emitted at index `at` of its last round (0 after the prefill) by the target's choice among `allowed`
+        ([vocab] bool) from the same logits and sampling settings, and drop the tokens it emitted after it:
+        its committed text and staged drafter context end before the new token, which roots the next tree.
+        Returns {row: token}; one host sync. Needs an engine made with logprobs=True (the path's logits).
+
+        At T > 0 the draw is from the target's top-p distribution restricted to `allowed` (from `allowed`'s
+        own temperature distribution when the nucleus holds none of them): with the refused draw before it,
+        a rejection sampler of that restricted distribution."""
+        if self.path_logits is None:
+            raise ValueError("constrained decoding needs the path's logits: make the engine with logprobs=True")
+        rows = list(fixes)
+        dev = self.device
+        index = torch.tensor(rows, device=dev)
+        at = torch.tensor([fixes[r][0] for r in rows], device=dev)
+        allowed = torch.stack([fixes[r][1] for r in rows]).to(dev)
+        logits = self.path_logits[index, at].float()
+        masked = logits.masked_fill(~allowed, float("-inf"))
+        chosen = masked.argmax(-1)
+        if any(self.host_sampling[r] for r in rows):
+            temperature, top_p = self.temperature[index], self.top_p[index]
+            probs = processed_probs(logits, temperature, top_p) * allowed
+            anywhere = processed_probs(masked, temperature, torch.ones_like(top_p))
+            probs = torch.where(probs.sum(-1, keepdim=True) > 0, probs, anywhere)
+            race = torch.empty_like(probs).exponential_(generator=self.generator)
+            chosen = torch.where(temperature > 0, (probs / race).argmax(-1), chosen)
+        cut = [self.host_emitted[r] - 1 - fixes[r][0] for r in rows]
+        drop = torch.tensor(cut, device=dev)
+        self.lengths[index] -= drop
+        self.ctx_count[index] = (self.ctx_count[index] - drop).clamp(min=0)
+        self.bonus[index] = chosen
+        tokens = chosen.tolist()
+        for r, k in zip(rows, cut):
+            self.host_lengths[r] -= k
+            self.host_emitted[r] -= k
+        return dict(zip(rows, tokens))
 
     def capture_graphs(
         self,

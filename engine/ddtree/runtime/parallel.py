@@ -266,6 +266,7 @@ ENGINE_CALLS = (
     "warm_up",
     "capture_graphs",
     "measure_budgets",
+    "override",
     "smoke",
 )
 
@@ -318,6 +319,9 @@ class Leader:
 
     def measure_budgets(self) -> dict:
         return self._call("measure_budgets")
+
+    def override(self, fixes: dict) -> dict[int, int]:
+        return self._call("override", fixes)
 
     def warm_up(self) -> float:
         return self._call("warm_up")

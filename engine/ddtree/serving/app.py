@@ -220,6 +220,7 @@ class EngineServer:
     def start_serving(self, engine, tokenizer, stop_token_ids: tuple[int, ...]) -> None:
         """Take requests on a loaded engine: prompt preparation, the tool-call format, the scheduler."""
         from ..runtime import compiles
+        from .grammar import Grammars
         from .prompts import PromptEncoder
         from .scheduler import Scheduler
         from .tools import tool_call_format
@@ -228,6 +229,7 @@ class EngineServer:
         self.engine, self.stop_token_ids = engine, stop_token_ids
         self.prompts = PromptEncoder(tokenizer, serving.seq_len, serving.parse_special_tokens)
         self.tool_format = tool_call_format(serving.tool_call_parser, tokenizer)
+        self.grammars = Grammars(tokenizer, engine, stop_token_ids)
         # markers that are special tokens (Kimi's) are only text when decoding keeps special tokens
         self.tool_markers_special = self.tool_format is not None and bool(
             set(self.tool_format.markers) & set(self.prompts.control)
@@ -465,7 +467,9 @@ class EngineServer:
 
     async def _generate(self, request, chat: bool):
         from ..runtime.engine import SamplingParams
+        from .grammar import response_format_grammar
         from .scheduler import NotRunning, QueueFull, Request
+        from .tools import tool_call_grammar
 
         body = await self._body(request)
         if self.phase != "ready":
@@ -477,6 +481,18 @@ class EngineServer:
         else:
             prompt, tools = await self.prepare(self.prompts.completion, body), None
         reads_calls = tools is not None and tools.rendered is not None  # tools rendered: calls parsed back
+        keeps_logits = self.config.serving.max_logprobs > 0
+        grammar = response_format_grammar(body, s.ignore_eos, keeps_logits)
+        # "required" and a named tool_choice: a grammar of calls in the model's markup (not without the logits)
+        if reads_calls and keeps_logits and self.tool_format is not None and not s.ignore_eos:
+            calls = tool_call_grammar(self.tool_format, tools)
+            if calls is not None and grammar is not None:
+                raise bad_request(
+                    "'response_format' cannot go with a 'tool_choice' that requires a call: the answer is the calls",
+                    "response_format",
+                )
+            grammar = grammar or calls
+        constraint = await self.prepare(self.grammars.constraint, grammar) if grammar is not None else None
         limit = self.config.serving.seq_len
         if len(prompt) >= limit:
             raise bad_request(
@@ -520,6 +536,7 @@ class EngineServer:
             sink,
             skip_special_tokens=not (reads_calls and self.tool_markers_special),
             logprobs=s.logprobs,
+            constraint=constraint,
         )
         try:
             self.scheduler.submit(req)

@@ -115,6 +115,11 @@ class ServerMetrics:
             "Budget auto: drafted tokens the draft expected to be accepted in its rounds (compare with "
             "ddtree_spec_decode_num_accepted_tokens: the draft's calibration)",
         ).labels(model=model)
+        self.grammar_replaced_tokens = counter(
+            "ddtree_grammar_replaced_tokens",
+            "response_format: tokens the target chose that its grammar refused, replaced by its best allowed token "
+            "(each ends its round's accepted path there)",
+        ).labels(model=model)
         self.kv_cache_usage_ratio = gauge(
             "ddtree_kv_cache_usage_ratio", "Committed tokens of running requests / (max_batch_size x max_seq_len)"
         )

@@ -108,13 +108,6 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
                 raise bad_request(REFUSALS.get(key, f"'{key}' is not supported by this server"), key)
         elif not any(v is o or (type(v) is type(o) and v == o) for o in ok):
             raise bad_request(REFUSALS.get(key, f"'{key}' is not supported by this server"), key)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request(
-            '\'response_format\' other than {"type": "text"} is not supported by this server: it has no '
-            "constrained decoding (JSON mode, JSON schemas)",
-            "response_format",
-        )
 
 
 class Sampling:

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..runtime.constrained import Constraint, constrain
 from ..runtime.engine import SamplingParams
 
 log = logging.getLogger("ddtree.scheduler")
@@ -120,8 +121,10 @@ class Request:
         sink: Callable[[Event], None],
         skip_special_tokens: bool = True,  # off: special tokens are text too (tool-call markers of some models)
         logprobs: int | None = None,  # log-probabilities of the completion tokens, with this many top tokens
+        constraint: Constraint | None = None,  # response_format's grammar (runtime/constrained.py)
     ):
         self.id = next(_ids)
+        self.constraint = constraint
         self.logprobs = logprobs
         self.pending_logprobs: list[TokenLogprob] = []  # of the tokens being delivered
         self.skip_special_tokens = skip_special_tokens
@@ -322,6 +325,11 @@ class Scheduler:
             budget -= take
             if first is None:
                 continue
+            if req.constraint is not None:
+                first_tokens = {row: [first]}
+                if self._constrain(first_tokens, {row: req}):  # failed: the request has its error
+                    continue
+                first = first_tokens[row][0]
             del self._prefilling[row]
             self._logprobs(row, req, [first])
             self.metrics.prefill_seconds.observe(req.prefill_seconds)
@@ -343,6 +351,9 @@ class Scheduler:
                 self._error(req, 500, f"engine round failed: {type(exc).__name__}: {exc}")
             _empty_cache(engine)
             return
+        constrained = {row: req for row, req in self._running.items() if req.constraint is not None}
+        if constrained:
+            self._constrain(out, constrained)
         now = time.perf_counter()
         self.rounds += 1
         m.engine_step_seconds.observe(now - t0)
@@ -359,6 +370,17 @@ class Scheduler:
             self._logprobs(row, req, toks)
             self._deliver(req, toks, now)
         m.num_accepted_tokens.inc(accepted)
+
+    def _constrain(self, emitted, requests: dict[int, Request]) -> set[int]:
+        """Hold the tokens rows just emitted to their requests' grammars (runtime/constrained.py); returns
+        the rows whose grammar failed, whose requests fail with a 500 while the others go on."""
+        constraints: dict[int, Constraint] = {row: req.constraint for row, req in requests.items() if req.constraint}
+        replaced, failed = constrain(self.engine, emitted, constraints)
+        self.metrics.grammar_replaced_tokens.inc(replaced)
+        for row, why in failed.items():
+            log.warning("request %s: %s", requests[row].id, why)
+            self._error(requests[row], 500, why)
+        return set(failed)
 
     def _logprobs(self, row: int, req: Request, toks: list[int]) -> None:
         """Stage the log-probabilities of the tokens row `row` just emitted (before the next round overwrites

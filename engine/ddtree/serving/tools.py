@@ -8,8 +8,9 @@ below turns into OpenAI's `tool_calls`:
     kimi_k2  (Kimi K2)                 <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0
                                        <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>
 
-Nothing constrains the generation (there is no grammar): a call whose markup or JSON is malformed stays
-content, and "required" or a named `tool_choice` is a request made through the prompt, not a guarantee.
+With "auto", nothing constrains the generation: a call whose markup or JSON is malformed stays content. With
+"required" or a named `tool_choice`, a grammar in the model's markup (`tool_call_grammar`) makes the answer
+nothing but calls of the rendered tools, with arguments that follow their `parameters` schemas.
 """
 
 from __future__ import annotations
@@ -176,6 +177,52 @@ FORMATS = {
         section_end="<|tool_calls_section_end|>",
     ),
 }
+
+
+# calls are JSON as chat templates and json.dumps write it: free whitespace would let a model pad them forever
+AS_DUMPED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def tool_call_grammar(fmt: ToolCallFormat, tools: ToolRequest) -> str | None:
+    """The llguidance grammar (Lark) of "required" and a named `tool_choice`: the answer is one call (without
+    parallel_tool_calls) or several of the rendered tools, in `fmt`'s markup, each call's arguments a JSON
+    object that follows its tool's `parameters` schema. None for "auto" and "none": the model decides."""
+    if tools.choice not in ("required", "function") or not tools.rendered:
+        return None
+    calls = tools.rendered
+    names = [t["function"]["name"] for t in calls]
+    schemas = [t["function"].get("parameters") or {"type": "object"} for t in calls]
+    if fmt.name == "hermes":
+        body = {
+            "x-guidance": AS_DUMPED,
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": schema},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for name, schema in zip(names, schemas)
+            ],
+        }
+        rules = [
+            'start: call ("\\n" call)*' if tools.parallel else "start: call",
+            'call: "<tool_call>\\n" body "\\n</tool_call>"',
+            f"body: %json {json.dumps(body)}",
+        ]
+    else:  # kimi_k2: its markers are special tokens, named as such
+        rules = [
+            f"start: <|tool_calls_section_begin|> call{'+' if tools.parallel else ''} <|tool_calls_section_end|>",
+            "call: " + " | ".join(f"call_{i}" for i in range(len(calls))),
+        ]
+        for i, (name, schema) in enumerate(zip(names, schemas)):
+            rules.append(
+                f'call_{i}: <|tool_call_begin|> "functions.{name}:" /[0-9]+/ <|tool_call_argument_begin|> '
+                f"%json {json.dumps({**schema, 'x-guidance': AS_DUMPED})} <|tool_call_end|>"
+            )
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_lark("\n".join(rules))
 
 
 def tool_call_format(parser: str, tokenizer) -> ToolCallFormat | None:
