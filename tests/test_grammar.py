@@ -11,6 +11,7 @@ import pytest
 
 from ddtree.serving.grammar import Grammars, response_format_grammar, tokenizer_json
 from ddtree.serving.protocol import APIError
+from tiny_models import byte_level_chars
 
 JSON_TEXT = '{"a": 1}'
 EOS = 257
@@ -21,19 +22,6 @@ def engine_of(vocab: int):
     return SimpleNamespace(target=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)))
 
 
-def byte_level_unicode() -> dict[int, str]:
-    """GPT-2's byte-to-character table, which byte-level BPE vocabularies are written in (space is "Ġ")."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 @pytest.fixture(scope="module")
 def gguf_style_tokenizer():
     """A byte-level BPE whose decoder chain is the one transformers gives tokenizers converted from GGUF
@@ -41,7 +29,7 @@ def gguf_style_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = byte_level_unicode()
+    chars = byte_level_chars()
     vocab = {chars[b]: b for b in range(256)}
     merges = [("Ġ", "1")]
     vocab["Ġ1"] = 256

@@ -20,6 +20,7 @@ from ddtree.models import checkpoint as loading
 from ddtree.models import gguf as gguf_convert
 from ddtree.models import random
 from ddtree.models.checkpoint import ModelNotFoundError
+from tiny_models import byte_level_chars
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -29,20 +30,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "Ġ t", "Ġt he", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l"]
 
 
-def _byte_chars():
-    """GPT-2's byte -> printable character table (the alphabet of byte-level BPE)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
-TOKENS = SPECIALS + _byte_chars() + ["".join(m.split()) for m in MERGES]
+TOKENS = SPECIALS + byte_level_chars() + ["".join(m.split()) for m in MERGES]
 VOCAB = len(TOKENS)  # 269
 
 

@@ -24,3 +24,17 @@ def random_target(vocab=64, hidden=64, layers=4, heads=4, kv_heads=2, seed=0, sc
             if p.dim() > 1:
                 p.normal_(0, scale)
     return model.eval()
+
+
+def byte_level_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (the alphabet of byte-level BPE vocabularies: space is "Ġ"),
+    indexed by byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.server
 import importlib.util
 import json
 import os
@@ -248,13 +249,10 @@ def node_ready(node) -> bool:
 
 
 @contextlib.contextmanager
-def operator_environment(kubeconfig: pathlib.Path):
-    """What the chart's Deployment gives the operator, for a run inside the test process."""
-    saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "DDTREE_ENGINE_IMAGE", "NO_PROXY", "HF_ENDPOINT")}
-    os.environ.update(KUBECONFIG=str(kubeconfig), DDTREE_ENGINE_IMAGE=ENGINE_IMAGE, NO_PROXY="127.0.0.1,localhost")
-    # the fit check fetches configs from the hub: here a closed local port (refused at once), unless a
-    # test serves a fake hub
-    os.environ.setdefault("HF_ENDPOINT", CLOSED_PORT_URL)
+def environment(**settings: str):
+    """Set environment variables for the block, then put back what was there."""
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
@@ -263,6 +261,50 @@ def operator_environment(kubeconfig: pathlib.Path):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def operator_environment(kubeconfig: pathlib.Path):
+    """What the chart's Deployment gives the operator, for a run inside the test process. The fit check
+    fetches configs from the hub: here a closed local port (refused at once), unless a test serves a FakeHub."""
+    hub = os.environ.get("HF_ENDPOINT", CLOSED_PORT_URL)
+    with environment(
+        KUBECONFIG=str(kubeconfig), DDTREE_ENGINE_IMAGE=ENGINE_IMAGE, NO_PROXY="127.0.0.1,localhost", HF_ENDPOINT=hub
+    ):
+        yield
+
+
+class FakeHub:
+    """A model hub on 127.0.0.1: serves config.json files by path, each after its delay in seconds, 404 for
+    anything else, and keeps the paths it was asked for."""
+
+    def __init__(self, files: dict[str, tuple[dict, float]]):
+        self.requests: list[str] = []
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's naming)
+                hub.requests.append(self.path)
+                config, delay = files.get(self.path, (None, 0.0))
+                time.sleep(delay)
+                body = json.dumps(config).encode() if config is not None else b"not found"
+                self.send_response(200 if config is not None else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def start_operator(kubeconfig: pathlib.Path, log_path: pathlib.Path) -> subprocess.Popen:

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import base64
 import copy
-import http.server
 import json
-import os
 import pathlib
 import socket
 import ssl
-import threading
 import time
 
 import pytest
@@ -27,7 +24,7 @@ from ddtree_operator.admission import run_checks
 from ddtree_operator.api import SpeculativeDeploymentSpec
 from ddtree_operator.fit import ConfigRef
 from ddtree_operator.handlers import ADMISSION_HUB_TIMEOUT_SECONDS, HUB_TIMEOUT_SECONDS
-from kube_testbed import CHART, OPERATOR_NAMESPACE, exists, wait_for
+from kube_testbed import CHART, OPERATOR_NAMESPACE, FakeHub, environment, exists, wait_for
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "data" / "model_configs"
 KIMI = json.loads((CONFIGS / "kimi-k2.6.json").read_text())
@@ -47,33 +44,6 @@ HUB_FILES = {
     config_path("Qwen/Qwen3-30B-A3B"): (QWEN_MOE, 0.0),
     config_path("org/slow-qwen"): (QWEN_MOE, SLOW_SECONDS),
 }
-
-
-class Hub:
-    """Serves HUB_FILES, each after its delay; 404 for anything else."""
-
-    def __init__(self):
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
-                config, delay = HUB_FILES.get(self.path, (None, 0.0))
-                time.sleep(delay)
-                body = json.dumps(config).encode() if config is not None else b"not found"
-                self.send_response(200 if config is not None else 404)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def free_port() -> int:
@@ -110,18 +80,13 @@ def webhook(cluster, chart_installed, tmp_path_factory):
     registered = {"kind": "List", "apiVersion": "v1", "items": [service, configuration]}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(registered))
 
-    hub = Hub()
-    settings = {"HF_ENDPOINT": hub.endpoint, "DDTREE_WEBHOOK_PORT": str(port), "DDTREE_WEBHOOK_CERT_DIR": str(cert_dir)}
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
+    hub = FakeHub(HUB_FILES)
     try:
-        yield port, cert_dir
+        with environment(
+            HF_ENDPOINT=hub.endpoint, DDTREE_WEBHOOK_PORT=str(port), DDTREE_WEBHOOK_CERT_DIR=str(cert_dir)
+        ):
+            yield port, cert_dir
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         cluster.kubectl("delete", "validatingwebhookconfiguration", configuration["metadata"]["name"])
         cluster.kubectl("delete", "service", service["metadata"]["name"], "-n", OPERATOR_NAMESPACE)
         hub.close()

@@ -4,66 +4,29 @@ A fake hub on 127.0.0.1 (the operator's HF_ENDPOINT) serves the published Kimi K
 141Gi GPU the model does not fit (Ready=False DoesNotFit, an Event, no objects), on eight it does.
 """
 
-import http.server
 import json
-import os
 import pathlib
-import threading
 import time
 
 import pytest
 import yaml
 
 from ddtree.models.memory import plan_memory
-from kube_testbed import wait_for
+from kube_testbed import FakeHub, environment, wait_for
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "data" / "model_configs"
 KIMI = json.loads((CONFIGS / "kimi-k2.6.json").read_text())
 KIMI_PATH = "/moonshotai/Kimi-K2.6/resolve/main/config.json"
 
 
-class FakeHub:
-    """Serves config.json files by path, 404 for anything else, and counts the requests."""
-
-    def __init__(self, files: dict[str, dict]):
-        self.requests: list[str] = []
-        hub = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
-                hub.requests.append(self.path)
-                body = json.dumps(files[self.path]).encode() if self.path in files else b"not found"
-                self.send_response(200 if self.path in files else 404)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def hub():
     """Set before the module's operator starts (autouse fixtures come first): it reads HF_ENDPOINT at startup."""
-    hub = FakeHub({KIMI_PATH: KIMI})
-    saved = os.environ.get("HF_ENDPOINT")
-    os.environ["HF_ENDPOINT"] = hub.endpoint
+    hub = FakeHub({KIMI_PATH: (KIMI, 0.0)})
     try:
-        yield hub
+        with environment(HF_ENDPOINT=hub.endpoint):
+            yield hub
     finally:
-        if saved is None:
-            os.environ.pop("HF_ENDPOINT", None)
-        else:
-            os.environ["HF_ENDPOINT"] = saved
         hub.close()
 
 
