@@ -5,7 +5,8 @@ One engine thread owns the Engine. Each iteration it
   2. admits waiting requests into free rows, lowest row first (`engine.begin`),
   3. prefills at most one chunk's worth of prompt tokens (`engine.prefill`, prefill_chunk tokens, oldest
      admitted request first); a request whose prompt is all in gets its first token and starts running,
-  4. runs one round on rows [0, n), n = highest running row + 1 (`engine.step`),
+  4. runs one round on rows [0, n), n = highest running row + 1 (`engine.step`), and holds the tokens of
+     requests with a grammar to it (runtime/constrained.py),
   5. truncates each request's tokens at stop tokens, stop strings and max_tokens, detokenizes
      incrementally and hands the new text to the request's sink,
   6. releases finished rows.
@@ -121,7 +122,7 @@ class Request:
         sink: Callable[[Event], None],
         skip_special_tokens: bool = True,  # off: special tokens are text too (tool-call markers of some models)
         logprobs: int | None = None,  # log-probabilities of the completion tokens, with this many top tokens
-        constraint: Constraint | None = None,  # response_format's grammar (runtime/constrained.py)
+        constraint: Constraint | None = None,  # a grammar: response_format, a required tool choice (constrained.py)
     ):
         self.id = next(_ids)
         self.constraint = constraint
