@@ -15,16 +15,19 @@ import gc
 import json
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..config import SpeculationConfig
 from ..models.llama import Transformer
 from .build import make_engine
 from .engine import Engine, SamplingParams
 from .fused import use_backend
+from .round_profile import matmul_throughput, round_phases
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,116 @@ def _kimi_moe_layer(bw: float, device, experts: int = 384, hidden: int = 7168, i
     return out
 
 
+def _device_ms(fn, calls: int = 10, reps: int = 9) -> float:
+    """Device time of one fn() in ms: a CUDA graph of `calls` calls (so that host launches do not set the
+    pace), median of `reps` timed replays, after two eager warm-up calls."""
+    fn()
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[reps // 2]
+
+
+def _topk_less_logsumexp(logits: Tensor, budget: int) -> tuple[Tensor, Tensor]:
+    """The Triton tree builder's candidate step (fused.build_ddtree_triton)."""
+    from . import kernels
+
+    top, tok = logits.topk(budget, dim=-1)
+    return top.float() - kernels.row_logsumexp(logits)[..., None], tok
+
+
+@torch.inference_mode()
+def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -> list[dict]:
+    """The DDTree candidate step (each draft row's top-K log-probabilities) both ways, on bf16 draft
+    logits of the Qwen3-8B vocabulary: the tensorised builder's fp32 log_softmax + top-k
+    (tree.top_candidates), and the Triton builder's top-k of the logits as they are less
+    kernels.row_logsumexp."""
+    from ..speculative.tree import top_candidates
+
+    rows = []
+    for batch in (1, 16):
+        logits = torch.randn(batch, depth, vocab, device=device, dtype=torch.bfloat16) * 3
+        for budget in (8, 32):
+            rows.append(
+                {
+                    "batch": batch,
+                    "budget": budget,
+                    "log_softmax_topk_ms": round(_device_ms(partial(top_candidates, logits, budget)), 4),
+                    "topk_logsumexp_ms": round(_device_ms(partial(_topk_less_logsumexp, logits, budget)), 4),
+                }
+            )
+    return rows
+
+
+@torch.inference_mode()
+def attention_sweep(device="cuda", context: int = 1200, span: int = 2048) -> list[dict]:
+    """kernels.attention's tuning knobs (max_rows, block_n, num_warps, num_stages, chunk) swept at the
+    Qwen3-8B geometry (32 query heads, 8 KV heads of 128) for the verify and draft widths at batch 1 and
+    16, `context` cached tokens in a `span`-slot graph bucket: per shape, the default's time and the
+    fastest configuration's."""
+    from . import kernels
+
+    heads, kv_heads, hd = 32, 8, 128
+    out = []
+    for batch, T in ((1, 9), (1, 16), (1, 33), (16, 9), (16, 16), (16, 33)):
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(batch, heads, T, hd, device=device, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(batch, kv_heads, span + 1, hd, device=device, dtype=torch.bfloat16, generator=g)
+        v = torch.randn_like(k)
+        j = torch.arange(span, device=device)
+        t = torch.arange(T, device=device)
+        mask = (j[None, :] < context) | ((j[None, :] >= context) & (j[None, :] - context <= t[:, None]))
+        mask = mask.view(1, 1, T, span).expand(batch, 1, T, span).contiguous()
+        extent = kernels.mask_extent(mask)
+        default = partial(kernels.attention, q, k, v, mask, None, extent)
+        reference = default()
+        best: dict[str, Any] = {"ms": _device_ms(default), "config": "default"}
+        default_ms = best["ms"]
+        for max_rows in (32, 64, 128):
+            for block_n in (32, 64):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        for chunk in (64, 128, 256, 512):
+                            knobs = dict(
+                                chunk=chunk, max_rows=max_rows, block_n=block_n, num_warps=warps, num_stages=stages
+                            )
+                            run = partial(default, **knobs)
+                            try:
+                                torch.testing.assert_close(run(), reference, atol=2e-2, rtol=2e-2)
+                                ms = _device_ms(run)
+                            except Exception as exc:  # a configuration that does not fit this GPU: skipped
+                                if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                                    raise
+                                continue
+                            if ms < best["ms"]:
+                                best = {"ms": ms, "config": knobs}
+        out.append(
+            {
+                "batch": batch,
+                "tokens": T,
+                "context": context,
+                "default_ms": round(default_ms, 4),
+                "best_ms": round(best["ms"], 4),
+                "best": best["config"],
+            }
+        )
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def load_time(folder, device, dtype, rank: int = 0, world: int = 1) -> dict:
     """Seconds and peak host memory of loading a checkpoint folder as rank `rank` of `world` (each rank reads
     only its slices: loading needs no process group, so the ranks can be timed one after another)."""
@@ -356,7 +469,10 @@ def count_host_syncs(engine: Engine, n: int) -> float:
 
 
 @torch.inference_mode()
-def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, profile_phases) -> dict:
+def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, profile_phases, rates=None) -> dict:
+    """One (method, budget, batch, graphs) measurement: round time, acceptance and tokens/s over every
+    prompt; with profile_phases, the phase split (eager: CUDA events; graphs: round_profile's per-phase
+    table against the floors at `rates`, (bytes/s, FLOP/s) measured on the device)."""
     # room for warm-up, timed and profiled rounds at up to block_size tokens each
     block = drafter.block_size if drafter is not None and method != "ar" else 1
     max_seq = max(len(p) for p in prompts) + (rounds + 16) * block + 64
@@ -405,6 +521,13 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
     if graphs:
         row["host_syncs_per_round"] = count_host_syncs(engine, batch)
         row["eager_fallbacks"] = engine.graphs.fallbacks
+    if graphs and profile_phases and rates and target.tp is None:
+        start_group(0)
+        try:
+            row["graph_phases"] = round_phases(engine, batch, *rates)
+            row["host_ms_per_round"] = round(row["ms_per_round"] - row["graph_phases"]["replay_ms"], 4)
+        except RuntimeError as exc:  # a profiler that sees no kernels inside graphs: say so, keep the row
+            row["graph_phases"] = {"error": str(exc)}
     del engine
     gc.collect()
     if cuda:
@@ -535,6 +658,33 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def phase_markdown(rows: list[dict]) -> str:
+    """The per-phase tables of graph rows (round_profile.round_phases), one line per phase."""
+    profiled = [r for r in rows if "phases" in r.get("graph_phases", {})]
+    if not profiled:
+        return ""
+    lines = [
+        "",
+        "### Round phases under CUDA graphs (device time per replay, ms)",
+        "",
+        "| method | budget | batch | phase | kernels | kernel ms | gaps ms | floor ms | heaviest kernel |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in profiled:
+        p = r["graph_phases"]
+        for name, ph in p["phases"].items():
+            kernel, ms = ph["heaviest"][0] if ph["heaviest"] else ("", 0)
+            lines.append(
+                f"| {r['method']} | {r['budget']} | {r['batch']} | {name} | {ph['kernels']} | {ph['kernel_ms']} | "
+                f"{ph['gap_ms']} | {ph['floor_ms']} | `{kernel[:48]}` {ms} |"
+            )
+        lines.append(
+            f"| {r['method']} | {r['budget']} | {r['batch']} | **round** | | {p['replay_ms']} (replay) | "
+            f"{r.get('host_ms_per_round', '')} (host) | {p['floor_ms']} | |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: bool = True) -> dict:
     """Every measurement asked for by the plan; prints JSON lines and writes --out when `report` (under
     tensor parallelism every rank runs the same measurements in step, rank 0 reports)."""
@@ -563,6 +713,12 @@ def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: boo
             use_kernels(target, variant)
             results["capture_all"][variant] = capture_all(target, drafter, plan.ctx)
         emit({"capture_all": results["capture_all"]})
+    rates = None
+    if True in plan.graph_modes and target.lm_head.weight.is_cuda:  # the floors of round_profile's phase table
+        rates = (copy_bandwidth(target.lm_head.weight.device), matmul_throughput(target.lm_head.weight.device))
+        results["copy_bandwidth_GBps"] = round(rates[0] / 1e9, 1)
+        results["matmul_TFLOPs"] = round(rates[1] / 1e12, 1)
+        emit({"copy_bandwidth_GBps": results["copy_bandwidth_GBps"], "matmul_TFLOPs": results["matmul_TFLOPs"]})
     methods = []
     for m in plan.methods:
         if m == "ddtree":
@@ -578,7 +734,16 @@ def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: boo
                     use_kernels(target, variant)  # the Engine keeps an already fused target as it is
                     try:
                         row = run_config(
-                            target, drafter, method, budget, batch, prompts, graphs, plan.rounds, profile_phases=True
+                            target,
+                            drafter,
+                            method,
+                            budget,
+                            batch,
+                            prompts,
+                            graphs,
+                            plan.rounds,
+                            profile_phases=True,
+                            rates=rates,
                         )
                     except torch.OutOfMemoryError as exc:
                         row = {
@@ -614,5 +779,6 @@ def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: boo
                     + ", ".join(f"{b} ({best['per_batch'][b]['vs_ar']} ×)" for b in best["ar_faster_at"])
                     + ": the flag has budget 0 there (plain decoding)\n"
                 )
+        md += phase_markdown(results["rows"])
         (out / "bench.md").write_text(md)
     return results

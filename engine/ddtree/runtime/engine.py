@@ -48,6 +48,7 @@ from .plan import (
     round_plans,
     round_sizes,
 )
+from .round_profile import mark_phase
 
 if TYPE_CHECKING:
     from .graphs import RoundGraphs
@@ -198,6 +199,7 @@ class Engine:
         self.last_plan: RoundPlan | None = None  # the plan of the last round step() ran
         self.eager_rounds = 0
         self.phase_events: list | None = None
+        self.phase_markers: list[str] | None = None
         self.generator = torch.Generator(device=dev)
         # host mirrors, so that the host never reads the device outside the per-round readout
         self.host_lengths = [0] * b
@@ -478,6 +480,7 @@ class Engine:
         decisions = decide(logits, self.temperature[:n], self.top_p[:n], self.generator, sampling)
         self._mark("verify")
         w = walk(tree, decisions, self.max_depth)
+        self._mark("walk")
         if self.path_logits is not None:
             path = w.path[..., None].expand(-1, -1, logits.shape[-1])
             self.path_logits[:n].copy_(torch.gather(logits, 1, path)[..., : self.path_logits.shape[-1]])
@@ -494,14 +497,18 @@ class Engine:
         self.bonus[:n].copy_(w.bonus)
         self.readout[:n, 0].copy_(w.accepted)
         self.readout[:n, 1 : self.max_depth + 2].copy_(w.emitted)
-        self._mark("walk")
+        self._mark("commit")
 
     def _mark(self, phase: str) -> None:
-        """Phase boundary for `profile_phases` (eager rounds only; inside a graph it is a no-op)."""
+        """A phase boundary: with `phase_events` (eager rounds) a timing event; with `phase_markers` (a graph
+        captured by round_profile.py) a marker kernel that splits the replay's kernel trace; else nothing."""
         if self.phase_events is not None:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.phase_events.append((phase, event))
+        if self.phase_markers is not None:
+            mark_phase()
+            self.phase_markers.append(phase)
 
     def choose_budget(self, n: int) -> int:
         """Budget auto: the budget of the next round on rows [0, n) (the largest until measure_budgets ran)."""

@@ -1,0 +1,83 @@
+"""The per-phase profile of a round under CUDA graphs (runtime/round_profile.py): the trace split runs
+everywhere on a hand-made trace; the profile itself runs on a CUDA device."""
+
+import pytest
+import torch
+
+from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.runtime.round_profile import MARKER, phase_floors, round_phases, split_phases
+from ddtree.speculative.drafter import DrafterConfig, init_drafter
+from tiny_models import random_target
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+
+
+def marked_replay(t0: float, kernels: dict[str, list[tuple[str, float]]]) -> list[tuple[str, float, float]]:
+    """One replay's device events from t0: a 1 µs marker, then each phase's kernels (name, µs) with 2 µs
+    gaps, and the marker that closes the phase."""
+    events, t = [(f"void {MARKER}(long)", t0, t0 + 1)], t0 + 1
+    for phase_kernels in kernels.values():
+        for name, us in phase_kernels:
+            events.append((name, t + 2, t + 2 + us))
+            t += 2 + us
+        events.append((f"void {MARKER}(long)", t + 2, t + 3))
+        t += 3
+    return events
+
+
+def test_split_phases_names_each_phase_after_the_marker_that_closes_it():
+    kernels = {"draft": [("gemm", 30.0), ("norm", 4.0)], "verify": [("gemm", 100.0)], "commit": []}
+    events = marked_replay(0, kernels) + marked_replay(1000, kernels) + [("Memcpy DtoD", 500, 501)]
+    out = split_phases(list(reversed(events)), ["start", "draft", "verify", "commit"], replays=2)
+    draft, verify, commit = (out["phases"][p] for p in ("draft", "verify", "commit"))
+    assert draft["kernels"] == 2 and draft["kernel_ms"] == pytest.approx(0.034)
+    assert draft["gap_ms"] == pytest.approx(0.006)
+    assert draft["heaviest"][0] == ["gemm", 0.03]
+    assert verify["kernels"] == 1 and verify["wall_ms"] == pytest.approx(0.104)
+    assert commit == {"kernels": 0, "kernel_ms": 0.0, "gap_ms": 0.002, "wall_ms": 0.002, "heaviest": []}
+    assert out["marked_round_ms"] == pytest.approx(0.040 + 0.001 + 0.104 + 0.001 + 0.002)  # the inner markers count
+
+
+def test_split_phases_refuses_a_trace_without_the_graphs_kernels():
+    with pytest.raises(RuntimeError, match="profiler did not see the graph's kernels"):
+        split_phases([("cudaGraphLaunch", 0, 5)], ["start", "verify"], replays=3)
+
+
+def make(device, method, budget, batch=4):
+    target = random_target().to(device)
+    drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=8), seed=1).to(device)
+    return Engine(target, drafter, method, budget, max_batch_size=batch, max_seq_len=96)
+
+
+def test_floors_count_the_weights_each_phase_reads():
+    engine = make("cpu", "ddtree", 8)
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    floors = phase_floors(engine, 1, context=40, bandwidth=1e12, flops=1e15)
+    assert set(floors) == {"draft", "tree", "verify", "walk", "commit"}
+    lm_head = engine.target.lm_head.weight
+    drafter_bytes = sum(p.numel() * p.element_size() for p in engine.drafter.state_dict().values())
+    assert floors["draft"]["bytes"] > drafter_bytes + lm_head.numel() * lm_head.element_size()
+    assert floors["verify"]["bytes"] > lm_head.numel() * lm_head.element_size()
+    assert all(f["floor_ms"] >= f["bytes"] / 1e12 * 1000 - 1e-4 for f in floors.values())
+    assert set(phase_floors(make("cpu", "ar", None), 1, 40, 1e12, 1e15)) == {"verify", "walk", "commit"}
+
+
+@gpu
+@pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 8)])
+def test_profile_splits_a_graph_replay_into_its_phases(method, budget):
+    engine = make("cuda", method, budget, batch=2)
+    engine.capture_graphs([2], [128])
+    sp = SamplingParams(max_new_tokens=64)
+    for row, prompt in enumerate([[1, 2, 3, 4], [5, 6]]):
+        engine.add(row, prompt, sp)
+    engine.step(2)
+    lengths = engine.lengths.clone()
+    out = round_phases(engine, 2, bandwidth=3e12, flops=5e14, replays=4)
+    expected = ["tree", "verify", "walk", "commit"] if method == "ar" else ["draft", "tree", "verify", "walk", "commit"]
+    assert list(out["phases"]) == expected
+    assert all(out["phases"][p]["kernels"] > 0 for p in ("verify", "commit"))
+    walls = sum(p["wall_ms"] for p in out["phases"].values())
+    assert walls <= out["marked_round_ms"] and out["replay_ms"] > 0
+    assert torch.equal(engine.lengths, lengths), "replays rewind the rows"
+    # the graphs step replays are unchanged by the profile: the rows go on as before
+    assert all(len(t) >= 1 for t in engine.step(2))
