@@ -227,6 +227,21 @@ def check_mask_extent(device):
         assert mask_extent(row.to(device).expand(bs, 1, T, span)).tolist() == [want[1 if bs > 1 else 0]] * bs
 
 
+def check_row_logsumexp(device, dtype):
+    """fp32 logsumexp of each row in one pass, from logits of the draft's dtype: rows longer than a block
+    and not a multiple of it, large logits (a probability-one row) and -inf entries."""
+    from ddtree.runtime.kernels import row_logsumexp
+
+    g = torch.Generator().manual_seed(5)
+    for shape in ((3, 15, 151936), (2, 1, 5000), (4, 33), (1, 1, 7)):
+        x = (torch.randn(*shape, generator=g) * 4).to(dtype)
+        x.view(-1, shape[-1])[0, 3] = 200.0
+        x.view(-1, shape[-1])[-1, : shape[-1] // 2] = float("-inf")
+        got = row_logsumexp(x.to(device)).cpu()
+        assert got.shape == shape[:-1] and got.dtype == torch.float32
+        torch.testing.assert_close(got, torch.logsumexp(x.float(), dim=-1), atol=2e-5, rtol=2e-6)
+
+
 ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask broadcast over the batch)
     (2, 4, 2, 5, 16, 200, False, False),
     (1, 4, 1, 33, 12, 130, False, True),
@@ -434,6 +449,12 @@ def test_attention(dtype):
 @interp
 def test_mask_extent():
     check_mask_extent("cpu")
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_logsumexp(dtype):
+    check_row_logsumexp("cpu", dtype)
 
 
 @interp
@@ -645,6 +666,7 @@ def test_kernels_compile_for_h200_without_a_gpu():
                 dict(B=128, CAP=256, N_PAD=256),
                 4,
             )
+        compile_(K._row_logsumexp_kernel, dtype, dict(out_ptr="*fp32"), dict(N=151936, BLOCK=2048), 8)
         compile_(
             K._mask_extent_kernel,
             dtype,
@@ -721,6 +743,7 @@ def test_compiled_kernels_equal_the_reference(dtype):
     ]:
         check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
     check_best_first_tree("cuda")
+    check_row_logsumexp("cuda", dtype)
     check_mask_extent("cuda")
     check_attention(
         "cuda",

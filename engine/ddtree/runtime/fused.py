@@ -28,7 +28,7 @@ from ..models.llama import Attention, DecoderLayer, Transformer
 from ..models.moe import SparseMoE
 from ..models.quant import Fp8BlockLinear, Int4Linear, dequantize_fp8_block, dequantize_int4
 from ..speculative.drafter import DFlashDrafter, DrafterAttention
-from ..speculative.tree import Tree, build_ddtree, top_candidates
+from ..speculative.tree import Tree, build_ddtree
 from . import kernels
 from .moe_kernels import moe_experts
 from .quant_kernels import fp8_block_linear, int4_linear, moe_experts_int4
@@ -468,11 +468,14 @@ class TritonDrafterAttention(_Swapped, DrafterAttention):
 
 
 def use_drafter_backend(drafter: DFlashDrafter, backend: str) -> None:
-    """The drafter's Triton path ("triton"), or its reference one (any other backend: its q/k/v stay
-    three GEMMs, which are small next to the target's)."""
-    cls = TritonDrafterAttention if backend == "triton" else DrafterAttention
+    """The drafter's Triton path ("triton": its attention kernels and the target's MLP, gate/up as one
+    skinny GEMM with silu_mul in its epilogue), the torch one (gate/up as one GEMM) or the reference.
+    Its q/k/v stay three GEMMs, which are small next to the MLP's."""
+    attention = TritonDrafterAttention if backend == "triton" else DrafterAttention
+    mlp = SWAPS.get(backend, {}).get(MLP, MLP)
     for layer in drafter.layers:
-        swap(layer.self_attn, cls)
+        swap(layer.self_attn, attention)
+        swap(layer.mlp, mlp)
 
 
 # ---- the tree ------------------------------------------------------------------------------------
@@ -480,8 +483,11 @@ def use_drafter_backend(drafter: DFlashDrafter, backend: str) -> None:
 
 def build_ddtree_triton(roots: Tensor, draft_logits: Tensor, budget: int) -> Tree:
     """build_ddtree's set in one Triton launch (kernels.best_first_tree, the paper's heap): about 90
-    fewer kernels per round at D = 15. Nodes are in pop order: best first, like build_ddtree."""
-    top_lp, top_tok = top_candidates(draft_logits, budget)
+    fewer kernels per round at D = 15. Nodes are in pop order: best first, like build_ddtree. The
+    candidates are top_candidates' without its fp32 log_softmax copy: top-k of the logits in their own
+    dtype (the same order) less each row's logsumexp."""
+    top_logits, top_tok = draft_logits.topk(min(budget, draft_logits.shape[-1]), dim=-1)
+    top_lp = top_logits.float() - kernels.row_logsumexp(draft_logits)[..., None]  # top_candidates' values
     return Tree(*kernels.best_first_tree(roots, top_lp, top_tok, budget))
 
 

@@ -509,6 +509,35 @@ if triton is not None:
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + b * o_sb + t * o_st + h * o_sh + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
 
+    @triton.jit
+    def _row_logsumexp_kernel(x_ptr, out_ptr, x_s, N: tl.constexpr, BLOCK: tl.constexpr):
+        # program (row): log sum exp of the row's N values in fp32, one pass (an online max per lane); N, the
+        # vocabulary, is a model's constant
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK):
+            x = tl.load(x_ptr + row * x_s + n0 + i, mask=n0 + i < N, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+            m = m_new
+        top = tl.max(m, axis=0)
+        total = tl.sum(s * tl.exp(m - top), axis=0)
+        tl.store(out_ptr + row, top + tl.log(total))
+
+
+def row_logsumexp(x: Tensor, block: int = 2048) -> Tensor:
+    """log(sum(exp(x))) over the last dimension in fp32, [...] for x [..., N] of any float dtype, in one
+    read of x: the DDTree candidates take top-k of the draft logits as they are and this for their
+    log-probabilities, where log_softmax wrote and read an fp32 copy of every logit."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        _row_logsumexp_kernel[(rows.shape[0],)](rows, out, rows.stride(0), N=rows.shape[1], BLOCK=block, num_warps=8)
+    return out.view(x.shape[:-1])
+
 
 def qk_norm_rope_kv(
     q: Tensor,
