@@ -6,7 +6,8 @@
 #
 # micro      one target forward of 1/17/33/65 tokens against the HBM bound, and the capture of every
 #            graph bucket (Qwen3-8B shape, random bf16 weights, random 5-layer drafter)
-# rounds     whole ar / dflash / ddtree rounds by budget and batch size, same shapes (cost only)
+# rounds     whole ar / dflash / ddtree rounds by budget and batch size, same shapes (cost only), each with
+#            its per-phase table under CUDA graphs (bench.md)
 # smollm2    SmolLM2-135M-Instruct with the shipped drafter: tokens/s and acceptance by batch size
 # serve      `ddtree serve` + `ddtree bench-serve` at 1..64 clients for ar, dflash and ddtree
 # budget-auto (not in the default set) the same load for ddtree with --budget auto against budgets 8, 16, 32,
