@@ -27,6 +27,7 @@ from ..models.llama import Transformer
 from .build import make_engine
 from .engine import Engine, SamplingParams
 from .fused import use_backend
+from .graphs import median_replay_ms
 from .round_profile import matmul_throughput, round_phases
 
 
@@ -317,7 +318,7 @@ def _kimi_moe_layer(bw: float, device, experts: int = 384, hidden: int = 7168, i
 
 def _device_ms(fn, calls: int = 10, reps: int = 9) -> float:
     """Device time of one fn() in ms: a CUDA graph of `calls` calls (so that host launches do not set the
-    pace), median of `reps` timed replays, after two eager warm-up calls."""
+    pace), median of `reps` replays, after two eager warm-up calls."""
     fn()
     fn()
     stream = torch.cuda.Stream()
@@ -326,16 +327,7 @@ def _device_ms(fn, calls: int = 10, reps: int = 9) -> float:
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(calls):
             fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[reps // 2]
+    return median_replay_ms(graph, reps) / calls
 
 
 def _topk_less_logsumexp(logits: Tensor, budget: int) -> tuple[Tensor, Tensor]:

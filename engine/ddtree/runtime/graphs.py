@@ -12,6 +12,7 @@ With budget auto, every candidate plan of a bucket (Engine.candidates) gets its 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,6 +44,25 @@ def default_span_buckets(max_slots: int, smallest: int = 256) -> list[int]:
         spans.append(s)
         s *= 2
     return spans + [max_slots]
+
+
+def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int, after_each: Callable[[], None] | None = None) -> float:
+    """Median device time of one replay of `graph` in ms (CUDA events around each timed replay), after an
+    untimed one; `after_each` runs after every replay, outside the timing (round_profile's rewind)."""
+    graph.replay()
+    if after_each:
+        after_each()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        if after_each:
+            after_each()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[repeats // 2]
 
 
 class RoundGraphs:
@@ -121,16 +141,8 @@ class RoundGraphs:
         for shape, graph in self.graphs.items():
             if shape.sampling:
                 continue
-            graph.replay()
-            times = []
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1000)
-            costs.setdefault((shape.batch, shape.span), {})[shape.verify_tokens - 1] = sorted(times)[repeats // 2]
+            seconds = median_replay_ms(graph, repeats) / 1000
+            costs.setdefault((shape.batch, shape.span), {})[shape.verify_tokens - 1] = seconds
         e.lengths.zero_()
         e.ctx_count.zero_()
         return costs

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .graphs import median_replay_ms
+
 MARKER = "spin_kernel"  # the kernel torch.cuda._sleep launches: nothing else in a round runs it
 
 
@@ -214,22 +216,6 @@ def phase_floors(engine, n: int, context: float, bandwidth: float, flops: float)
     return out
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, rewind: Rewind, repeats: int = 20) -> float:
-    """Median device time of one replay of `graph` (CUDA events around each replay, each on the same rows)."""
-    graph.replay()
-    rewind()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        rewind()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[repeats // 2]
-
-
 @torch.inference_mode()
 def round_phases(engine, n: int, bandwidth: float, flops: float, replays: int = 10) -> dict:
     """The per-phase table of the greedy graph `step(n)` replays now: each phase's kernels, kernel time,
@@ -240,7 +226,7 @@ def round_phases(engine, n: int, bandwidth: float, flops: float, replays: int = 
     span = next(s for s in graphs.span_buckets if s >= engine.span_needed(n))
     graph = graphs.graphs[graphs.shape(batch, span, False)]
     rewind = Rewind(engine)
-    plain = replay_ms(graph, rewind)
+    plain = median_replay_ms(graph, 20, rewind)
     profiled = profile_round(engine, batch, span, replays)
     context = sum(engine.host_lengths[:n]) / n
     floors = phase_floors(engine, batch, context, bandwidth, flops)
