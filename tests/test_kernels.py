@@ -227,6 +227,31 @@ def check_mask_extent(device):
         assert mask_extent(row.to(device).expand(bs, 1, T, span)).tolist() == [want[1 if bs > 1 else 0]] * bs
 
 
+def check_move_slots(device, dtype):
+    """One launch moves an accepted path's cache slots as the models' gather-then-scatter `compact` does:
+    paths whose slots overlap their destinations, the latent layout (one head, a width past the column
+    block) and rows whose paths differ."""
+    from ddtree.runtime.kernels import move_slots
+
+    g = torch.Generator().manual_seed(7)
+    for planes, batch, heads, slots, width, n in ((6, 3, 2, 40, 16, 5), (3, 2, 1, 30, 576, 9), (2, 4, 8, 70, 128, 16)):
+        storage = torch.randn(planes, batch, heads, slots, width, generator=g).to(dtype)
+        bs = batch - 1  # the last row is not moved
+        lengths = torch.randint(0, slots - 3 * n, (bs, 1), generator=g)
+        # a tree path: node indices from the root, non-decreasing, each at least its depth, so that
+        # node k's slot is often the destination of a later step
+        steps = torch.arange(n)
+        path = torch.maximum(torch.sort(torch.randint(0, 2 * n, (bs, n), generator=g), dim=1).values, steps)
+        path[:, 0] = 0
+        src, dst = lengths + path, lengths + steps
+        want = storage.clone()
+        rows = torch.arange(bs)[:, None]
+        want[:, rows, :, dst] = want[:, rows, :, src]
+        got = storage.to(device)
+        move_slots(got, src.to(device), dst.to(device))
+        assert torch.equal(got.cpu(), want), (planes, batch, heads, slots, width, n)
+
+
 def check_row_logsumexp(device, dtype):
     """fp32 logsumexp of each row in one pass, from logits of the draft's dtype: rows longer than a block
     and not a multiple of it, large logits (a probability-one row) and -inf entries."""
@@ -453,6 +478,12 @@ def test_mask_extent():
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_slots(dtype):
+    check_move_slots("cpu", dtype)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_logsumexp(dtype):
     check_row_logsumexp("cpu", dtype)
 
@@ -668,6 +699,13 @@ def test_kernels_compile_for_h200_without_a_gpu():
             )
         compile_(K._row_logsumexp_kernel, dtype, dict(out_ptr="*fp32"), dict(N=151936, BLOCK=2048), 8)
         compile_(
+            K._move_slots_kernel,
+            dtype,
+            dict(src_ptr="*i64", dst_ptr="*i64", n="i32"),
+            dict(H=8, D=576, N_PAD=16, BLOCK_D=128),
+            4,
+        )
+        compile_(
             K._mask_extent_kernel,
             dtype,
             dict(mask_ptr="*i8", extent_ptr="*i32", T="i32", span="i32"),
@@ -744,6 +782,7 @@ def test_compiled_kernels_equal_the_reference(dtype):
         check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
     check_best_first_tree("cuda")
     check_row_logsumexp("cuda", dtype)
+    check_move_slots("cuda", dtype)
     check_mask_extent("cuda")
     check_attention(
         "cuda",

@@ -658,3 +658,8 @@ class Transformer(CausalLM):
         rows = torch.arange(src.shape[0], device=src.device)[:, None]
         moved = self.latent_storage[:, rows, src]  # a copy first: dst and src overlap
         self.latent_storage[:, rows, dst] = moved
+
+    def slot_storage(self) -> Tensor:
+        """The whole cache as [layers, max_batch, 1, slots + 1, latent_dim], what compact moves slots of
+        (kernels.move_slots)."""
+        return self.latent_storage.unsqueeze(2)

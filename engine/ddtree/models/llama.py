@@ -220,3 +220,8 @@ class Transformer(CausalLM):
         rows = torch.arange(src.shape[0], device=src.device)[:, None]
         moved = self.kv_storage[:, :, rows, :, src]  # a copy first: dst and src overlap
         self.kv_storage[:, :, rows, :, dst] = moved
+
+    def slot_storage(self) -> Tensor:
+        """The whole cache as [planes, max_batch, heads, slots + 1, width] (planes: layers x k/v), what
+        compact moves slots of (kernels.move_slots)."""
+        return self.kv_storage.flatten(0, 1)

@@ -36,7 +36,7 @@ from ..speculative.drafter import DFlashDrafter, DrafterMismatchError
 from ..speculative.tree import Tree, build_chain, chain, expected_accepted, root_only
 from ..speculative.verify import decide, processed_probs, tree_mask, walk
 from .budget import BudgetController
-from .fused import tree_builder, use_backend, use_drafter_backend
+from .fused import cache_compactor, tree_builder, use_backend, use_drafter_backend
 from .graphs import default_span_buckets
 from .plan import (
     AUTO,
@@ -157,6 +157,7 @@ class Engine:
         if target.backend == "reference":  # a target straight from its family: fused GEMMs at least
             use_backend(target, "torch")
         self.build_ddtree = tree_builder(target.backend)  # the Triton heap or the tensorised build
+        self.compact = cache_compactor(target)  # the accepted path's cache slots to the committed text
         target.setup_caches(max_batch_size, self.max_slots)
         self.device = dev = target.lm_head.weight.device
         # pad prefill chunks to the fixed sizes where kernels are compiled per shape (CUDA: Triton, CUDA
@@ -486,7 +487,7 @@ class Engine:
             self.path_logits[:n].copy_(torch.gather(logits, 1, path)[..., : self.path_logits.shape[-1]])
         if self.max_depth > 0 and tree.size > 1:
             steps = torch.arange(self.max_depth + 1, device=dev)
-            self.target.compact(lengths[:, None] + w.path, lengths[:, None] + steps)
+            self.compact(lengths[:, None] + w.path, lengths[:, None] + steps)
         if taps is not None:
             if tree.size == 1:  # a round without a draft: the path is the root, the staged context one token
                 self.ctx_features[:n, :1].copy_(taps)

@@ -17,6 +17,7 @@ module then turns back into its reference class, and the next Engine swaps it in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -489,6 +490,14 @@ def build_ddtree_triton(roots: Tensor, draft_logits: Tensor, budget: int) -> Tre
     top_logits, top_tok = draft_logits.topk(min(budget, draft_logits.shape[-1]), dim=-1)
     top_lp = top_logits.float() - kernels.row_logsumexp(draft_logits)[..., None]  # top_candidates' values
     return Tree(*kernels.best_first_tree(roots, top_lp, top_tok, budget))
+
+
+def cache_compactor(target: Transformer) -> Callable[[Tensor, Tensor], None]:
+    """The target's `compact` (slots src [bs, n] to dst [bs, n] in every layer), in one Triton launch
+    (kernels.move_slots) when the target runs the Triton backend."""
+    if target.backend != "triton":
+        return target.compact
+    return lambda src, dst: kernels.move_slots(target.slot_storage(), src, dst)
 
 
 def tree_builder(backend: str):

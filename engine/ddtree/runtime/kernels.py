@@ -510,6 +510,39 @@ if triton is not None:
         tl.store(out_ptr + b * o_sb + t * o_st + h * o_sh + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
+    def _move_slots_kernel(
+        s_ptr,
+        src_ptr,
+        dst_ptr,
+        n,
+        s_sp,
+        s_sb,
+        s_sh,
+        s_ss,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        N_PAD: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # program (plane p, row b, head h): slots src[b, :n] -> dst[b, :n], BLOCK_D columns at a time; the
+        # barrier keeps every read of a column block before any write to it (threads share slots)
+        p = tl.program_id(0).to(tl.int64)
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = bh % H
+        j = tl.arange(0, N_PAD)
+        live = j < n
+        src = tl.load(src_ptr + b * n + j, mask=live, other=0)
+        dst = tl.load(dst_ptr + b * n + j, mask=live, other=0)
+        base = s_ptr + p * s_sp + b * s_sb + h * s_sh
+        for d0 in tl.static_range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            m = live[:, None] & (d[None, :] < D)
+            x = tl.load(base + src[:, None] * s_ss + d[None, :], mask=m)
+            tl.debug_barrier()
+            tl.store(base + dst[:, None] * s_ss + d[None, :], x, mask=m)
+
+    @triton.jit
     def _row_logsumexp_kernel(x_ptr, out_ptr, x_s, N: tl.constexpr, BLOCK: tl.constexpr):
         # program (row): log sum exp of the row's N values in fp32, one pass (an online max per lane); N, the
         # vocabulary, is a model's constant
@@ -526,6 +559,35 @@ if triton is not None:
         top = tl.max(m, axis=0)
         total = tl.sum(s * tl.exp(m - top), axis=0)
         tl.store(out_ptr + row, top + tl.log(total))
+
+
+def move_slots(storage: Tensor, src: Tensor, dst: Tensor, block_d: int = 128) -> None:
+    """A model's `compact` in one launch: in every plane (layer, k/v) and head of storage [planes,
+    max_batch, heads, slots, width], copy slots src [bs, n] of rows 0..bs-1 to slots dst [bs, n]. Each
+    program reads all n slots of its (plane, row, head) before it writes any, since a path's slots and
+    their destinations overlap. Where the gather and scatter of advanced indexing took two kernels that
+    read the index tensors per element."""
+    planes, _, heads, _, width = storage.shape
+    bs, n = src.shape
+    assert storage.stride(-1) == 1 and src.shape == dst.shape
+    if not bs * n:
+        return
+    src, dst = src.contiguous(), dst.contiguous()
+    _move_slots_kernel[(planes, bs * heads)](
+        storage,
+        src,
+        dst,
+        n,
+        storage.stride(0),
+        storage.stride(1),
+        storage.stride(2),
+        storage.stride(3),
+        H=heads,
+        D=width,
+        N_PAD=max(2, triton.next_power_of_2(n)),
+        BLOCK_D=min(block_d, triton.next_power_of_2(width)),
+        num_warps=4,
+    )
 
 
 def row_logsumexp(x: Tensor, block: int = 2048) -> Tensor:
