@@ -28,6 +28,8 @@ from in_process_server import InProcessServer
 # every key of a level's JSON line; benchmarks/report.py and benchmarks/gpu.sh read the closed-loop ones
 KEYS = {
     "arrival",
+    "response_format",
+    "grammar_replaced_tokens",
     "concurrency",
     "request_rate",
     "achieved_request_rate",
@@ -144,6 +146,7 @@ def test_prompt_lengths_parse_and_draw():
         (["--prompt-lengths", "uniform:9:1"], "--prompt-lengths takes fixed:N or uniform:LO:HI"),
         (["--prompt-lengths", "fixed:9", "--prompts-file", "p.txt"], "--prompts-file gives them: give one"),
         (["--system-prompt-tokens", "-5"], "--system-prompt-tokens must be >= 0"),
+        (["--response-format", "json"], "'json' is neither json_object nor a readable JSON Schema file"),
     ],
 )
 def test_bench_serve_refuses_bad_flags_in_one_line(argv, message, capsys):
@@ -151,6 +154,23 @@ def test_bench_serve_refuses_bad_flags_in_one_line(argv, message, capsys):
     assert main(["bench-serve", "--url", "http://127.0.0.1:9", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ddtree: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_response_format_is_json_object_or_a_schema_file_and_never_goes_with_ignore_eos(tmp_path):
+    from ddtree.serving.loadgen import response_format_arg
+
+    assert response_format_arg("json_object") == {"type": "json_object"}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    (tmp_path / "person.json").write_text(json.dumps(schema))
+    assert response_format_arg(str(tmp_path / "person.json")) == {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": schema},
+    }
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(UsageError, match="holds a JSON list, not a JSON Schema object"):
+        response_format_arg(str(tmp_path / "list.json"))
+    with pytest.raises(UsageError, match="cannot go with ignore_eos"):  # before any connection
+        asyncio.run(bench_serve("http://127.0.0.1:9", (1,), response_format={"type": "json_object"}))
 
 
 def test_poisson_arrivals_with_a_shared_system_prompt_and_uniform_user_turns(server):

@@ -771,6 +771,18 @@ def test_bench_serve_load_generator(ddtree_server):
         assert r["engine_step_ms_per_round"] > 0 and r["serving_overhead_ms_per_round"] > -1e-6
         parts = r["engine_step_ms_per_round"] + r["prefill_ms_per_round"] + r["serving_overhead_ms_per_round"]
         assert abs(r["wall_ms_per_round"] - parts) < 0.01
+        assert r["response_format"] is None and r["grammar_replaced_tokens"] == 0
+    # structured output: every request under a JSON schema, ended by the grammar (so by EOS), still speculative
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    (r,) = asyncio.run(
+        bench_serve(
+            ddtree_server.url, (2,), requests_per_client=1, max_tokens=24, ignore_eos=False, response_format=fmt
+        )
+    )
+    assert r["errors"] == 0 and r["response_format"] == "json_schema:answer", r
+    assert 0 < r["output_tokens"] <= 2 * 24 and r["rounds"] >= 1 and r["acceptance_length"] >= 1.0
+    assert r["grammar_replaced_tokens"] >= 0
 
 
 # ---- admission control and disconnects (2 engine rows, 1 waiting) ---------------------------------

@@ -337,6 +337,11 @@ def add_serve_commands(subparsers) -> None:
         help="let requests stop at EOS (default: every request generates exactly --max-tokens)",
     )
     b.add_argument("--prompts-file", help="one prompt per line (or one JSON string per line)")
+    b.add_argument(
+        "--response-format",
+        help="every request asks for structured output: json_object, or the path of a JSON Schema file (implies "
+        "--no-ignore-eos: the grammar ends the text); each level reports the tokens the grammar replaced",
+    )
     b.add_argument("--json", action="store_true", help="one JSON object per level (concurrency or rate)")
     b.set_defaults(handler="ddtree.serving.commands:cmd_bench_serve")
     k = subparsers.add_parser("soak", help="bounded soak of a running `ddtree serve`: leaks, hangs, counters")

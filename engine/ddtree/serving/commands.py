@@ -11,7 +11,7 @@ import sys
 
 from ..config import AUTO, FLAGS, EngineConfig, UsageError, parse_int_list
 from .app import EngineServer, serve_follower, serve_until_stopped
-from .loadgen import PromptLengths, bench_line, bench_serve
+from .loadgen import PromptLengths, bench_line, bench_serve, response_format_arg
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -139,6 +139,7 @@ def cmd_bench_serve(args) -> int:
             prompts = [
                 json.loads(line) if line.lstrip().startswith('"') else line.rstrip("\n") for line in f if line.strip()
             ]
+    response_format = response_format_arg(args.response_format) if args.response_format else None
     results = asyncio.run(
         bench_serve(
             args.url,
@@ -148,13 +149,14 @@ def cmd_bench_serve(args) -> int:
             prompts,
             chat=not args.completions,
             temperature=args.temperature,
-            ignore_eos=not args.no_ignore_eos,
+            ignore_eos=not (args.no_ignore_eos or response_format),
             api_key=_client_key(),
             request_rates=rates,
             num_requests=num_requests,
             system_prompt_tokens=args.system_prompt_tokens,
             prompt_lengths=prompt_lengths,
             seed=args.seed,
+            response_format=response_format,
         )
     )
     for r in results:

@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..config import UsageError
 
@@ -210,6 +211,7 @@ async def bench_serve(
     system_prompt_tokens: int = 0,
     prompt_lengths: PromptLengths | None = None,
     seed: int = 0,
+    response_format: dict | None = None,
 ) -> list[dict]:
     """Drive a running server, one level at a time: `c` closed-loop clients per level of `concurrencies` (each
     sends requests_per_client streaming requests back to back), or, with request_rates, num_requests requests
@@ -218,11 +220,15 @@ async def bench_serve(
     build_workload) when system_prompt_tokens or prompt_lengths are set; their sizes in tokens are converted
     to words with the server's tokens per word (_tokens_per_word). Per level: throughput, latency percentiles,
     and, from /metrics deltas, the time per round inside engine.step versus the scheduler's wall time per
-    round (the difference, prefills excluded, is the serving overhead)."""
+    round (the difference, prefills excluded, is the serving overhead). With response_format, every request
+    asks for it (the grammar ends the text, so EOS ends requests: ignore_eos must be off) and each level
+    reports the tokens the grammar replaced."""
     import aiohttp
 
     from .metrics import read_samples, total
 
+    if response_format and ignore_eos:
+        raise UsageError("a response_format ends the text with the grammar: it cannot go with ignore_eos")
     url = url.rstrip("/")
     results = []
     conn = aiohttp.TCPConnector(limit=0)
@@ -263,6 +269,8 @@ async def bench_serve(
             "stream_options": {"include_usage": True},
             "ignore_eos": ignore_eos,
         }
+        if response_format:
+            common["response_format"] = response_format
 
         async def request(k: int) -> dict:
             return await _bench_one(session, url, {**common, **workload.fields(k, chat)}, chat)
@@ -347,6 +355,8 @@ async def bench_serve(
                     "acceptance_length": round(1 + d("ddtree_spec_decode_num_accepted_tokens_total") / drafts, 3)
                     if drafts
                     else float("nan"),
+                    "response_format": _format_name(response_format),
+                    "grammar_replaced_tokens": int(d("ddtree_grammar_replaced_tokens_total")),
                     "rounds": int(rounds),
                     "mean_batch": round(drafts / rounds, 2) if rounds else float("nan"),
                     "engine_step_ms_per_round": round(step_ms, 3),
@@ -356,6 +366,32 @@ async def bench_serve(
                 }
             )
     return results
+
+
+def _format_name(response_format: dict | None) -> str | None:
+    """ "json_object", "json_schema:NAME" or None, for the report."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    name = (response_format.get("json_schema") or {}).get("name")
+    return f"{kind}:{name}" if kind == "json_schema" and name else kind
+
+
+def response_format_arg(value: str) -> dict:
+    """--response-format: json_object, or the path of a JSON Schema file (sent as a json_schema named after
+    the file); UsageError for a file that is not a JSON object."""
+    if value == "json_object":
+        return {"type": "json_object"}
+    path = Path(value)
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(
+            f"--response-format: '{value}' is neither json_object nor a readable JSON Schema file ({exc})"
+        ) from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"--response-format: '{value}' holds a JSON {type(schema).__name__}, not a JSON Schema object")
+    return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
 
 
 def bench_line(r: dict) -> str:
@@ -372,4 +408,9 @@ def bench_line(r: dict) -> str:
         f"{r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f}ms  accept {r['acceptance_length']}  round: step "
         f"{r['engine_step_ms_per_round']:.2f}ms + prefill {r['prefill_ms_per_round']:.2f}ms + overhead "
         f"{r['serving_overhead_ms_per_round']:.2f}ms = {r['wall_ms_per_round']:.2f}ms (batch {r['mean_batch']})"
+        + (
+            f"  {r['response_format']}: {r['grammar_replaced_tokens']} tokens replaced"
+            if r.get("response_format")
+            else ""
+        )
     )
