@@ -56,6 +56,22 @@ def test_json_mode_on_a_gguf_converted_byte_level_tokenizer(gguf_style_tokenizer
     assert constraint.validate([EOS, 5]) == 1 and constraint.validate([5]) == 0
 
 
+def test_a_repeated_grammar_is_compiled_once_and_each_request_gets_its_own_matcher(gguf_style_tokenizer):
+    grammars = Grammars(gguf_style_tokenizer, engine_of(320), (EOS,), cached=1)
+    json_mode = response_format_grammar({"response_format": {"type": "json_object"}})
+    first, second = grammars.constraint(json_mode), grammars.constraint(json_mode)
+    assert grammars.compiles == 1
+    tokens = gguf_style_tokenizer.encode(JSON_TEXT, add_special_tokens=False)
+    first.consume(tokens)
+    assert first.allowed().nonzero().flatten().tolist() == [EOS]
+    assert second.allowed()[ord("{")] and not second.allowed()[EOS], "the second matcher is still at the start"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    other = response_format_grammar({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})
+    grammars.constraint(other)  # the cache holds one grammar: json mode goes
+    grammars.constraint(json_mode)
+    assert grammars.compiles == 3
+
+
 def test_the_gguf_decoder_chain_is_read_as_byte_level(gguf_style_tokenizer):
     """As converted, llguidance would read "Ġ" as the two bytes of its UTF-8, not as a space."""
     from llguidance import LLMatcher, LLTokenizer

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,25 +124,44 @@ class GrammarConstraint:
 
 class Grammars:
     """Builds matchers for one server's tokenizer: its llguidance form is made once, on first use (about a
-    second), on the preparation thread."""
+    second), on the preparation thread. Compiled grammars are kept (the `cached` most recently used), so a
+    schema that requests repeat is compiled once and each request gets a copy of its fresh matcher."""
 
-    def __init__(self, tokenizer, engine, stop_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, engine, stop_token_ids: tuple[int, ...], cached: int = 64):
         self.tokenizer, self.engine, self.stop_token_ids = tokenizer, engine, stop_token_ids
         self._lock = threading.Lock()
         self._ll = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar -> its matcher, never advanced
+        self.cached, self.compiles = cached, 0
+
+    @property
+    def vocab(self) -> int:
+        """The model's vocabulary size (read when a grammar first needs it)."""
+        return self.engine.target.config.vocab_size
 
     def _llguidance_tokenizer(self):
         with self._lock:
             if self._ll is None:
-                vocab = self.engine.target.config.vocab_size
-                self._ll = llguidance_tokenizer(self.tokenizer, vocab, list(self.stop_token_ids) or None)
+                self._ll = llguidance_tokenizer(self.tokenizer, self.vocab, list(self.stop_token_ids) or None)
             return self._ll
 
     def constraint(self, grammar: str) -> GrammarConstraint:
         """A fresh matcher for `grammar` (from response_format_grammar); 400 when it does not compile."""
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise bad_request(f"'response_format' does not compile: {matcher.get_error()}", "response_format")
-        return GrammarConstraint(matcher, self.engine.target.config.vocab_size, self.stop_token_ids)
+        with self._lock:
+            pristine = self._compiled.get(grammar)
+            if pristine is not None:
+                self._compiled.move_to_end(grammar)
+        if pristine is None:
+            pristine = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+            if pristine.is_error():
+                raise bad_request(f"'response_format' does not compile: {pristine.get_error()}", "response_format")
+            with self._lock:
+                self.compiles += 1
+                self._compiled[grammar] = pristine
+                while len(self._compiled) > self.cached:
+                    self._compiled.popitem(last=False)
+        with self._lock:  # a copy, made while no other thread copies the same matcher
+            matcher = pristine.deep_copy()
+        return GrammarConstraint(matcher, self.vocab, self.stop_token_ids)
