@@ -70,13 +70,31 @@ MISSING_CRD_MESSAGES = {
 }
 
 
+# (connect, read) seconds of every call the operator makes to the API server, unless the call gives its own: a
+# stalled API server fails the apply, which is retried (_failures_are_temporary), instead of holding a handler's
+# thread forever
+API_TIMEOUT_SECONDS = (5.0, 30.0)
+
+
+class TimedApiClient(kubernetes.client.ApiClient):
+    """An ApiClient whose calls time out after API_TIMEOUT_SECONDS (the package's default is to wait forever)."""
+
+    def call_api(self, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        # the generated API methods of every supported kubernetes release pass _request_timeout by keyword
+        kwargs["_request_timeout"] = _request_timeout or API_TIMEOUT_SECONDS
+        return super().call_api(*args, **kwargs)
+
+
 def _api_client() -> kubernetes.client.ApiClient:
+    configuration = kubernetes.client.Configuration()
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        configuration = kubernetes.client.Configuration()
         kubernetes.config.load_incluster_config(client_configuration=configuration)
-        return kubernetes.client.ApiClient(configuration)
-    # Read $KUBECONFIG now: the kubernetes package's own default is frozen when it is imported.
-    return kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG", "~/.kube/config"))
+    else:
+        # Read $KUBECONFIG now: the kubernetes package's own default is frozen when it is imported.
+        kubernetes.config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG", "~/.kube/config"), client_configuration=configuration
+        )
+    return TimedApiClient(configuration)
 
 
 @kopf.on.login()

@@ -321,6 +321,53 @@ class SilentEndpoints:
         self.selector.close()
 
 
+def test_a_stalled_api_server_fails_an_apply_within_the_client_timeout(tmp_path, monkeypatch):
+    """An API server that accepts and never answers: the operator's apply gives up after its client timeout
+    (an urllib3 error, which the handlers turn into a retried TemporaryError) instead of holding the
+    handler's thread for good, as the kubernetes package's default (no timeout) would."""
+    import urllib3
+
+    from ddtree_operator import handlers
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoints = SilentEndpoints([("127.0.0.1", port)])
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "stalled", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "stalled", "user": "u"}}],
+        "current-context": "c",
+    }
+    (tmp_path / "config").write_text(yaml.safe_dump(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "config"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(handlers, "API_TIMEOUT_SECONDS", (2.0, 2.0))
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "default"}}
+    outcome: dict[str, Any] = {}
+
+    def apply() -> None:
+        start = time.monotonic()
+        try:
+            handlers.server_side_apply(handlers._api_client(), config_map)
+        except Exception as exc:
+            outcome["error"] = exc
+        outcome["seconds"] = time.monotonic() - start
+
+    try:
+        worker = threading.Thread(target=apply, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "the apply still waits on the stalled API server"
+        assert isinstance(outcome.get("error"), urllib3.exceptions.HTTPError), outcome
+        assert 2.0 <= outcome["seconds"] < 20, outcome
+        assert endpoints.snapshot()[0][("127.0.0.1", port)] >= 1, "the request reached the stalled server"
+    finally:
+        endpoints.close()
+
+
 def test_hanging_metrics_endpoints_time_out_and_block_nothing(cluster, operator, namespace):
     apply(cluster, namespace, document("hung", spec(replicas=4)))
     wait_for(
