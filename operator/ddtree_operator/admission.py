@@ -23,7 +23,7 @@ from typing import Any
 from ddtree.models.builtin import builtin_config
 from ddtree.models.memory import indivisible_split, target_layout
 from ddtree.models.registry import family_for
-from ddtree.speculative.compat import DrafterMismatchError, config_mismatches
+from ddtree.speculative.compat import DrafterMismatchError, config_mismatches, method_problem
 
 from .api import SpeculativeDeploymentSpec
 from .fit import ConfigRef, MemoryCheck, decide, hub_ref, plan_inputs
@@ -120,6 +120,11 @@ def check_configs(spec: SpeculativeDeploymentSpec, fetched: Fetched) -> Compatib
             else:
                 if mismatches:
                     problems.append(f"spec.drafter {uri} does not fit spec.model {model}: " + "; ".join(mismatches))
+        if not isinstance(drafter, str):
+            architecture = (drafter.get("architectures") or ["DFlashDraftModel"])[0]
+            problem = method_problem(spec.speculation.method, str(architecture))
+            if problem:
+                problems.append(f"spec.drafter {uri}: {problem}")
     return Compatibility(tuple(problems), tuple(unchecked))
 
 

@@ -96,6 +96,19 @@ def test_a_drafter_config_without_its_dflash_keys_is_refused_as_the_engine_refus
     )
 
 
+def test_a_chain_only_drafter_is_refused_under_ddtree_and_admitted_under_dflash():
+    """A DFlash2 drafter drafts a chain (each position's distribution depends on the token before it): the
+    engine refuses it under ddtree at load, and the webhook refuses that spec with the engine's words."""
+    drafter = {**copy.deepcopy(KIMI_DRAFTER), "architectures": ["DFlash2DraftModel"]}
+    configs = {KIMI_REF: KIMI, DRAFTER_REF: drafter}
+    tree = spec("moonshotai/Kimi-K2.6", "z-lab/Kimi-K2.6-DFlash", tensor=8)
+    (problem,) = check_configs(tree, configs).problems
+    assert problem.startswith("spec.drafter z-lab/Kimi-K2.6-DFlash: method 'ddtree' cannot run a DFlash2DraftModel")
+    assert problem.endswith("(use method dflash)")
+    chain = spec("moonshotai/Kimi-K2.6", "z-lab/Kimi-K2.6-DFlash", tensor=8, speculation={"method": "dflash"})
+    assert check_configs(chain, configs) == Compatibility()
+
+
 def test_a_tensor_split_that_does_not_divide_heads_or_experts_is_refused():
     assert check_configs(spec(SMOLLM2, tensor=2), {}).problems == (
         "tensor parallel 2 does not divide the model: 9 attention heads, 3 KV heads (each must be a multiple of 2)",

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..models.llama import Transformer
+from ..speculative.compat import method_problem
 from ..speculative.dflash2 import DFlash2Drafter
 from ..speculative.drafter import DFlashDrafter, DrafterMismatchError
 from ..speculative.tree import Tree, build_chain, chain, expected_accepted, root_only
@@ -132,11 +133,9 @@ class Engine:
         _, largest = check_budget(method, budget)
         if drafter is not None:
             drafter.config.check_target(target.config)
-        if method == "ddtree" and isinstance(drafter, DFlash2Drafter):
-            raise DrafterMismatchError(
-                "method 'ddtree' cannot run a DFlash2 drafter: the tree builder takes one draft distribution per "
-                "depth and DFlash2's depends on the parent token (use --method dflash)"
-            )
+        problem = method_problem(method, drafter.config.architecture) if drafter is not None else None
+        if problem:
+            raise DrafterMismatchError(problem)
         self.target, self.method = target, method
         # budget 0 everywhere verifies the root only: plain decoding, no drafter work
         self.drafter = drafter if needs_drafter(method, budget) else None

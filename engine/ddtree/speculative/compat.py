@@ -76,6 +76,21 @@ def mismatches(drafter: DrafterShape, target: TargetShape) -> list[str]:
     return problems
 
 
+# drafters whose draft distribution at a position depends on the token chosen before it: DDTree's tree takes one
+# distribution per depth from a single forward, so they run as chains (method dflash) only
+CHAIN_ONLY_DRAFTERS = ("DFlash2DraftModel",)
+
+
+def method_problem(method: str, architecture: str) -> str | None:
+    """Why `method` cannot run a drafter of `architecture` (its config.json's architectures[0]), or None."""
+    if method == "ddtree" and architecture in CHAIN_ONLY_DRAFTERS:
+        return (
+            f"method 'ddtree' cannot run a {architecture} drafter: the tree builder takes one draft distribution "
+            "per depth and this drafter's depends on the parent token (use method dflash)"
+        )
+    return None
+
+
 def check_fits(drafter: DrafterShape, target: TargetShape) -> None:
     problems = mismatches(drafter, target)
     if problems:
