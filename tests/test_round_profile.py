@@ -62,6 +62,17 @@ def test_floors_count_the_weights_each_phase_reads():
     assert set(phase_floors(make("cpu", "ar", None), 1, 40, 1e12, 1e15)) == {"verify", "walk", "commit"}
 
 
+def test_floors_of_an_mla_target_read_its_latent_cache():
+    from test_deepseek_v3 import tiny_mla
+
+    target = tiny_mla()
+    drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=8), seed=1)
+    engine = Engine(target, drafter, "ddtree", 8, max_batch_size=2, max_seq_len=64)
+    floors = phase_floors(engine, 2, context=20, bandwidth=1e12, flops=1e15)
+    latent = target.config.latent_dim * target.lm_head.weight.element_size() * target.config.num_hidden_layers
+    assert floors["commit"]["bytes"] >= 2 * 2 * 9 * latent and floors["verify"]["flops"] > 0
+
+
 @gpu
 @pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 8)])
 def test_profile_splits_a_graph_replay_into_its_phases(method, budget):

@@ -175,7 +175,8 @@ def phase_floors(engine, n: int, context: float, bandwidth: float, flops: float)
     # the verify gathers embedding rows, it does not read the table (unless it is the LM head too)
     tied = embed.data_ptr() == head.data_ptr()
     target_bytes, target_elems = _weights(target, frozenset() if tied else frozenset({embed.data_ptr()}))
-    attention_width = cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    head_width = getattr(cfg, "head_dim", None) or cfg.latent_dim  # MLA: each head reads the latents
+    attention_width = cfg.num_attention_heads * head_width * cfg.num_hidden_layers
     tree, kv = plan.tree_size, cache_bytes_per_token(target)
     logits = n * tree * vocab * 4  # fp32 verify logits, written by the LM head and read by the decision
     counts = {
