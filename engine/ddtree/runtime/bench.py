@@ -28,7 +28,7 @@ from .build import make_engine
 from .engine import Engine, SamplingParams
 from .fused import use_backend
 from .graphs import median_replay_ms
-from .round_profile import matmul_throughput, round_phases
+from .round_profile import matmul_throughput, round_phases, stored_weights
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,8 @@ def forward_ms(target: Transformer, batch: int, ctx: int, tokens: int, graphs: b
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights: parameters and persistent buffers (quantized weights and their scales are
-    buffers; caches are not persistent), each storage once."""
-    seen, total = set(), 0
-    for t in model.state_dict().values():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+    """Bytes of the weights (round_profile.stored_weights), each storage once."""
+    return stored_weights(model)[0]
 
 
 def use_kernels(target: Transformer, variant: str) -> None:

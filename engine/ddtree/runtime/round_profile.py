@@ -137,8 +137,10 @@ def cache_bytes_per_token(model: Any) -> float:
     return total / (model.max_batch * (model.max_slots + 1))
 
 
-def _weights(model: torch.nn.Module, skip: frozenset[int] = frozenset()) -> tuple[int, int]:
-    """(bytes, matrix elements) of a model's stored weights, each storage once, less the storages in `skip`."""
+def stored_weights(model: torch.nn.Module, skip: frozenset[int] = frozenset()) -> tuple[int, int]:
+    """(bytes, matrix elements) of a model's stored weights: parameters and persistent buffers (quantized
+    weights and their scales are buffers; caches are not persistent), each storage once, less the storages
+    in `skip`."""
     seen, nbytes, elements = set(skip), 0, 0
     for t in model.state_dict().values():
         if t.data_ptr() in seen:
@@ -174,7 +176,7 @@ def phase_floors(engine, n: int, context: float, bandwidth: float, flops: float)
     vocab, hidden, depth = cfg.vocab_size, cfg.hidden_size, engine.max_depth
     # the verify gathers embedding rows, it does not read the table (unless it is the LM head too)
     tied = embed.data_ptr() == head.data_ptr()
-    target_bytes, target_elems = _weights(target, frozenset() if tied else frozenset({embed.data_ptr()}))
+    target_bytes, target_elems = stored_weights(target, frozenset() if tied else frozenset({embed.data_ptr()}))
     head_width = getattr(cfg, "head_dim", None) or cfg.latent_dim  # MLA: each head reads the latents
     attention_width = cfg.num_attention_heads * head_width * cfg.num_hidden_layers
     tree, kv = plan.tree_size, cache_bytes_per_token(target)
@@ -193,7 +195,7 @@ def phase_floors(engine, n: int, context: float, bandwidth: float, flops: float)
         ),
     }
     if plan.drafts and drafter is not None:
-        drafter_bytes, drafter_elems = _weights(drafter)
+        drafter_bytes, drafter_elems = stored_weights(drafter)
         dcfg = drafter.config
         d_width = dcfg.num_attention_heads * dcfg.head_dim * dcfg.num_hidden_layers
         draft_logits = n * depth * vocab * elem
