@@ -81,9 +81,9 @@ class RecordingEngine(Engine):
         super().__init__(*args, **kwargs)
         self.prompts: list[list[int]] = []
 
-    def begin(self, row, prompt, params):
+    def begin(self, row, prompt, params, reuse=False):
         self.prompts.append(list(prompt))
-        super().begin(row, prompt, params)
+        return super().begin(row, prompt, params, reuse)
 
 
 @pytest.fixture(scope="module")

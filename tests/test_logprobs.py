@@ -90,7 +90,8 @@ def test_completions_logprobs_whole_and_streamed(server, tiny_target):
         v for c in streamed if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
     ]
     offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
-    assert tokens == lp.tokens and logprobs == pytest.approx(lp.token_logprobs) and offsets == lp.text_offset
+    # the streamed request reuses the first one's cached prompt (keys from other GEMM shapes): last bits differ
+    assert tokens == lp.tokens and logprobs == pytest.approx(lp.token_logprobs, abs=1e-5) and offsets == lp.text_offset
     # and without logprobs, none come back
     assert server.completions.create(**{**request, "logprobs": None}).choices[0].logprobs is None
 

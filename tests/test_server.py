@@ -140,8 +140,12 @@ class ScriptedEngine:
         self.host_active[row], self.host_lengths[row] = True, len(prompt)
         return tokens[0]
 
-    def begin(self, row, prompt, params):
+    def begin(self, row, prompt, params, reuse=False):
         self.pending[row] = (prompt, params)
+        return 0  # nothing reused
+
+    def free_row_for(self, prompt, free):
+        return free[0]
 
     def prefill(self, row, budget):
         return self.add(row, *self.pending.pop(row))

@@ -419,8 +419,12 @@ class ScriptedEngine:
     def check_request(self, prompt, params) -> None:
         pass
 
-    def begin(self, row, prompt, params):
+    def begin(self, row, prompt, params, reuse=False):
         self.prompts.append(list(prompt))
+        return 0  # nothing reused
+
+    def free_row_for(self, prompt, free):
+        return free[0]
 
     def prefill(self, row, budget):
         tokens = [*self.scripts.popleft(), self.eos]

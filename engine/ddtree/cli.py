@@ -250,6 +250,12 @@ def add_serve_commands(subparsers) -> None:
         "long prompts are prefilled in chunks between the running requests' rounds",
     )
     p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        default=UNSET,
+        help="prefill every prompt whole (default: a prompt start some engine row still holds is not prefilled again)",
+    )
+    p.add_argument(
         "--max-waiting", type=int, default=UNSET, help="queued requests beyond the rows before 429 (default 4 x rows)"
     )
     p.add_argument("--served-model-name", default=UNSET, help="model name in the API (default: the --model value)")

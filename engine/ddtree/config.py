@@ -9,7 +9,8 @@ file value). The file uses the field names of the dataclasses, one section per d
     speculation: {method, budget, block_size}
     kernels:     {backend, graphs, batch_buckets}
     parallel:    {tensor_parallel, expert_parallel, replicate_drafter}
-    serving:     {host, port, max_batch_size, max_seq_len, prefill_chunk, max_waiting, served_model_name,
+    serving:     {host, port, max_batch_size, max_seq_len, prefill_chunk, prefix_cache, max_waiting,
+                  served_model_name,
                   termination_log, api_key_file, parse_special_tokens, tool_call_parser, max_logprobs,
                   max_connections,
                   header_timeout, body_timeout, keepalive_timeout}
@@ -103,6 +104,9 @@ class ServingConfig:
     # the most prompt tokens one prefill forward takes, and what a scheduler iteration prefills between two
     # rounds: a long prompt goes in chunks, so running streams keep getting tokens while it is admitted
     prefill_chunk: int = 2048
+    # a prompt that starts like text some engine row's caches still hold (a shared system prompt, the earlier
+    # turns of a conversation) prefills only the rest: the row keeps it, or it is copied from the other row
+    prefix_cache: bool = True
     max_waiting: int | None = None  # queued requests beyond the rows before 429 (default 4 x rows)
     served_model_name: str | None = None  # model name in the API (default: model.id)
     termination_log: str | None = None  # failure reason file (default /dev/termination-log when present)
@@ -160,6 +164,7 @@ FLAGS = {
     "max_batch_size": "serving.max_batch_size",
     "max_seq_len": "serving.max_seq_len",
     "prefill_chunk": "serving.prefill_chunk",
+    "no_prefix_cache": "serving.prefix_cache",
     "max_waiting": "serving.max_waiting",
     "served_model_name": "serving.served_model_name",
     "termination_log": "serving.termination_log",
@@ -172,7 +177,7 @@ FLAGS = {
     "body_timeout": "serving.body_timeout",
     "keepalive_timeout": "serving.keepalive_timeout",
 }
-INVERTED = {"no_graphs"}  # store_true flags that switch a field off
+INVERTED = {"no_graphs", "no_prefix_cache"}  # store_true flags that switch a field off
 
 
 def _flag(dest: str) -> str:

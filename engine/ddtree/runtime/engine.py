@@ -63,6 +63,16 @@ PREFILL_STEP = 128  # above this, prefill sizes grow by this much, not doubling:
 FORECAST_SCALE = 1000  # forecasts travel in the integer readout as thousandths of a token
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def prefill_sizes(largest: int) -> tuple[int, ...]:
     """The token counts a prefill forward runs at, so that prompts of every length meet the same few
     kernel shapes: powers of two from 16 to 128, then multiples of 128 up to `largest` (a chunk of r
@@ -206,6 +216,13 @@ class Engine:
         self.host_sampling = [False] * b
         self.host_active = [False] * b
         self.host_emitted = [0] * b  # tokens each row emitted in its last round (or prefill): override's cut
+        # prefix reuse: each active row's text (prompt and emitted tokens, the last one not yet in the caches),
+        # and what a released row's caches still hold (slots 0.. of both caches, for a later prompt that
+        # starts the same way: begin(reuse=True)); rounds leave inactive rows' caches alone
+        self.texts: list[list[int]] = [[] for _ in range(b)]
+        self.retained: list[list[int]] = [[] for _ in range(b)]
+        self.released_at = [0] * b  # release order: a row without a matching prefix goes oldest first
+        self.releases = 0
 
     # ---- joining and leaving ----------------------------------------------------------------
 
@@ -217,12 +234,65 @@ class Engine:
         assert first is not None
         return first
 
-    def begin(self, row: int, prompt: list[int], params: SamplingParams) -> None:
+    def begin(self, row: int, prompt: list[int], params: SamplingParams, reuse: bool = False) -> int:
         """Claim row `row` for `prompt` (checked here: a ValueError refuses it). The row stays out of the
-        rounds (inactive) until `prefill` has put the whole prompt in the caches."""
+        rounds (inactive) until `prefill` has put the whole prompt in the caches.
+
+        With reuse, the longest start of the prompt that some row's caches already hold (a released row's
+        last text, or the committed text of a running or prefilling one) is not computed again: it stays
+        in place when it is this row's, or is copied from the other row's slots. Returns the prompt tokens
+        reused (at most all but the last, whose forward gives the first token)."""
         self.check_request(prompt, params)
         self.release(row)
-        self.prefills[row] = Prefill(list(prompt), params)
+        source, shared = self.longest_prefix(prompt, row) if reuse else (row, 0)
+        shared = min(shared, len(prompt) - 1)
+        job = Prefill(list(prompt), params)
+        self.prefills[row] = job
+        self.retained[row] = []  # the prefill overwrites them (what is reused stays below `done`)
+        if shared <= 0:
+            return 0
+        if source != row:
+            self._copy_prefix(source, row, shared)
+        job.done = shared
+        self.lengths[row] = shared
+        self.host_lengths[row] = shared
+        return shared
+
+    def cached_text(self, row: int) -> list[int]:
+        """The tokens whose keys and values are in slots 0.. of row `row`'s target and drafter caches."""
+        if self.host_active[row]:
+            # the last round's path is staged for the drafter cache, not in it yet (ctx_count)
+            staged = self.host_emitted[row] if self.drafter is not None else 0
+            return self.texts[row][: self.host_lengths[row] - staged]
+        job = self.prefills.get(row)
+        if job is not None:
+            return job.prompt[: job.done]
+        return self.retained[row]
+
+    def longest_prefix(self, prompt: list[int], row: int) -> tuple[int, int]:
+        """(the row whose caches hold the longest start of `prompt`, its length); `row` itself wins ties."""
+        best = (row, shared_prefix(self.cached_text(row), prompt))
+        for other in range(self.max_batch_size):
+            if other != row:
+                n = shared_prefix(self.cached_text(other), prompt)
+                if n > best[1]:
+                    best = (other, n)
+        return best
+
+    def free_row_for(self, prompt: list[int], free: list[int]) -> int:
+        """Of the `free` rows, the one to run `prompt` in: the one whose retained text shares the longest start
+        with it, else the one released longest ago (the others keep their prefixes for later requests)."""
+        return max(free, key=lambda r: (shared_prefix(self.retained[r], prompt), -self.released_at[r]))
+
+    def _copy_prefix(self, source: int, row: int, n: int) -> None:
+        """Copy slots [0, n) of row `source` to row `row` in the target cache (every layer) and the drafter's."""
+        storage = self.target.slot_storage()
+        storage[:, row, :, :n] = storage[:, source, :, :n]
+        if self.drafter is not None:
+            for layer in self.drafter.layers:
+                cache = layer.self_attn.kv_cache
+                cache.k[row, :, :n] = cache.k[source, :, :n]
+                cache.v[row, :, :n] = cache.v[source, :, :n]
 
     @torch.inference_mode()
     def prefill(self, row: int, budget: int) -> int | None:
@@ -245,7 +315,9 @@ class Engine:
             return None
         del self.prefills[row]
         assert hidden is not None
-        return self._start([row], [len(job.prompt)], job.params, hidden[None])[0]
+        first = self._start([row], [len(job.prompt)], job.params, hidden[None])[0]
+        self.texts[row] = job.prompt + [first]
+        return first
 
     def prefill_span(self, start: int, tokens: int) -> int:
         """Cache slots a prefill chunk of `tokens` (padded) tokens at `start` attends over: a span bucket."""
@@ -313,6 +385,7 @@ class Engine:
         for temperature in (0.0, 1.0):
             self._start([0], [1], SamplingParams(temperature=temperature), self._prefill_chunk(0, [0], 0)[None])
         self.release(0)
+        self.retained[0] = []  # what warm-up wrote is no prompt's
         self.warm_up_seconds = time.perf_counter() - start
         return self.warm_up_seconds
 
@@ -337,7 +410,10 @@ class Engine:
             ctx_slots = torch.where(real, j, self.drafter.max_slots)
             self.drafter.append_context(taps, positions, ctx_slots, rows=index)
         last = hidden[torch.arange(len(prompts), device=dev), n - 1]  # each prompt's last token
-        return self._start(rows, [len(p) for p in prompts], params, last)
+        firsts = self._start(rows, [len(p) for p in prompts], params, last)
+        for row, prompt, first in zip(rows, prompts, firsts):
+            self.texts[row] = list(prompt) + [first]
+        return firsts
 
     def token_logprobs(self, row: int, tokens: list[int], top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
         """Log-probabilities, under the target's distribution (before temperature and top-p), of the tokens
@@ -353,6 +429,12 @@ class Engine:
         return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
     def release(self, row: int) -> None:
+        """Take row `row` out of the rounds. Its caches keep what they hold (cached_text) for begin(reuse=True)."""
+        if self.host_active[row] or row in self.prefills:
+            self.retained[row] = self.cached_text(row)
+            self.releases += 1
+            self.released_at[row] = self.releases
+        self.texts[row] = []
         self.prefills.pop(row, None)
         if self.budgets is not None:
             self.budgets.reset(row)
@@ -409,12 +491,13 @@ class Engine:
         block_tokens = torch.full((n, block), self.mask_token_id, dtype=torch.long, device=dev)
         block_tokens[:, 0] = self.bonus[:n]
         block_pos = lengths[:, None] + torch.arange(block, device=dev)
+        block_slots = torch.where(self.active[:n, None], block_pos, self.drafter.max_slots)  # round(): trash
         ctx_pos, ctx_slots = self.pending_context(n)
         mask = (torch.arange(span, device=dev) < (lengths[:, None] + block)).view(n, 1, 1, span)
         hidden = self.drafter(
             self.target.embed(block_tokens),
             block_pos,
-            block_pos,
+            block_slots,
             mask.expand(n, 1, block, span),
             self.ctx_features[:n],
             ctx_pos,
@@ -473,7 +556,10 @@ class Engine:
         lengths, active = self.lengths[:n], self.active[:n]
         tree = self.build_tree(n, span)
         self._mark("tree")
-        slots = lengths[:, None] + torch.arange(tree.size, device=dev)
+        # inactive rows (idle, or between prefill chunks) write their tree to the trash slot: their caches
+        # keep what prefix reuse and the next prefill chunk expect
+        live = active[:, None]
+        slots = torch.where(live, lengths[:, None] + torch.arange(tree.size, device=dev), self.target.trash_slot)
         mask = tree_mask(lengths, tree.visible, span)
         logits, taps = self.target(tree.tokens, lengths[:, None] + tree.depth, slots, mask, self.tap_layers)
         self.node_max_logit[:n, : tree.size].copy_(logits.amax(-1))  # what the smoke test compares with eager
@@ -486,7 +572,10 @@ class Engine:
             self.path_logits[:n].copy_(torch.gather(logits, 1, path)[..., : self.path_logits.shape[-1]])
         if self.max_depth > 0 and tree.size > 1:
             steps = torch.arange(self.max_depth + 1, device=dev)
-            self.compact(lengths[:, None] + w.path, lengths[:, None] + steps)
+            trash = self.target.trash_slot
+            self.compact(
+                torch.where(live, lengths[:, None] + w.path, trash), torch.where(live, lengths[:, None] + steps, trash)
+            )
         if taps is not None:
             if tree.size == 1:  # a round without a draft: the path is the root, the staged context one token
                 self.ctx_features[:n, :1].copy_(taps)
@@ -563,6 +652,7 @@ class Engine:
             self.host_lengths[row] += result[0]
             self.host_emitted[row] = result[0]
             out.append(result[1 : 1 + result[0]])
+            self.texts[row] += out[-1]
         return out
 
     @torch.inference_mode()
@@ -599,7 +689,9 @@ class Engine:
         self.ctx_count[index] = (self.ctx_count[index] - drop).clamp(min=0)
         self.bonus[index] = chosen
         tokens = chosen.tolist()
-        for r, k in zip(rows, cut):
+        for r, k, token in zip(rows, cut, tokens):
+            del self.texts[r][len(self.texts[r]) - k - 1 :]  # the replaced token and those after it
+            self.texts[r].append(token)
             self.host_lengths[r] -= k
             self.host_emitted[r] -= k
         return dict(zip(rows, tokens))

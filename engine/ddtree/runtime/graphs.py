@@ -98,7 +98,7 @@ class RoundGraphs:
     @torch.inference_mode()
     def capture(self, sampling: tuple[bool, ...] = (False,)) -> float:
         """Capture every (batch bucket, span bucket, sampling) graph. Must run while no request is active:
-        warm-up and capture rounds write garbage into idle rows."""
+        warm-up prefills into row 0, and every row's length is reset afterwards."""
         e = self.engine
         if e.device.type != "cuda":
             raise GraphShapeError(f"CUDA graphs need a CUDA device (engine is on {e.device})")

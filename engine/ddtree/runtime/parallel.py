@@ -306,8 +306,8 @@ class Leader:
     def add_many(self, rows: list[int], prompts: list[list[int]], params) -> list[int]:
         return self._call("add_many", list(rows), [list(p) for p in prompts], params)
 
-    def begin(self, row: int, prompt: list[int], params) -> None:
-        return self._call("begin", row, list(prompt), params)
+    def begin(self, row: int, prompt: list[int], params, reuse: bool = False) -> int:
+        return self._call("begin", row, list(prompt), params, reuse=reuse)
 
     def prefill(self, row: int, budget: int) -> int | None:
         return self._call("prefill", row, budget)

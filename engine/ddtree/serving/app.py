@@ -235,7 +235,9 @@ class EngineServer:
             set(self.tool_format.markers) & set(self.prompts.control)
         )
         # decoding happens on the engine thread: give it its own tokenizer instance
-        self.scheduler = Scheduler(engine, copy.deepcopy(tokenizer), self.metrics, serving.waiting_limit)
+        self.scheduler = Scheduler(
+            engine, copy.deepcopy(tokenizer), self.metrics, serving.waiting_limit, serving.prefix_cache
+        )
         compiles.on_compile(self._kernel_compiled)
         self.scheduler.start()
 

@@ -91,7 +91,13 @@ class ServerMetrics:
         self.generation_tokens = counter("ddtree_generation_tokens", "Completion tokens returned to clients").labels(
             model=model
         )
-        self.prompt_tokens = counter("ddtree_prompt_tokens", "Prompt tokens prefilled").labels(model=model)
+        self.prompt_tokens = counter(
+            "ddtree_prompt_tokens", "Prompt tokens of started requests (prefilled or taken from the prefix cache)"
+        ).labels(model=model)
+        self.prefix_cache_hit_tokens = counter(
+            "ddtree_prefix_cache_hit_tokens",
+            "Prompt tokens not prefilled because an engine row's caches held them (serving.prefix_cache)",
+        ).labels(model=model)
         self._requests = counter(
             "ddtree_requests", "Completion requests by HTTP status (499: the client disconnected)", ["model", "status"]
         )

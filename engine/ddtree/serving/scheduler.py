@@ -160,11 +160,12 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine, tokenizer, metrics, max_waiting: int = 32):
+    def __init__(self, engine, tokenizer, metrics, max_waiting: int = 32, prefix_cache: bool = True):
         self.engine = engine
         self.tokenizer = tokenizer  # used on the engine thread only (decoding)
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.prefix_cache = prefix_cache  # Engine.begin(reuse=...): prompt starts the rows' caches hold
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # engine row -> request; engine thread only
@@ -261,7 +262,8 @@ class Scheduler:
                 admits = []
                 while free and self._waiting:
                     req = self._waiting.popleft()
-                    req.row = free.pop(0)
+                    req.row = engine.free_row_for(req.prompt_ids, free) if self.prefix_cache else free[0]
+                    free.remove(req.row)
                     self._free -= 1
                     admits.append(req)
                 self.metrics.requests_waiting.set(len(self._waiting))
@@ -297,11 +299,13 @@ class Scheduler:
 
     def _admit(self, row: int, req: Request) -> None:
         try:
-            self.engine.begin(row, req.prompt_ids, req.params)
+            reused = self.engine.begin(row, req.prompt_ids, req.params, reuse=self.prefix_cache)
         except ValueError as exc:  # validated by the server already; kept as a safety net
             self.engine.release(row)
             self._error(req, 400, str(exc))
             return
+        req.prefilled = reused
+        self.metrics.prefix_cache_hit_tokens.inc(reused)
         self._prefilling[row] = req
 
     def _prefill(self) -> None:

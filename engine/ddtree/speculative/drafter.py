@@ -430,20 +430,21 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             kind = (layer.sliding_window, layer.causal)
             if kind not in masks:
-                masks[kind] = self.layer_mask(mask, block_slots, *kind)
+                masks[kind] = self.layer_mask(mask, block_positions, *kind)
             x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, masks[kind], meta)
         return self.norm(x)
 
     @staticmethod
-    def layer_mask(mask: Tensor, block_slots: Tensor, window: int | None, causal: bool) -> Tensor:
+    def layer_mask(mask: Tensor, block_positions: Tensor, window: int | None, causal: bool) -> Tensor:
         """`mask` [bs, 1, BS, span] narrowed for a layer: a causal layer's query sees no key past its own slot;
         a windowed one sees the keys within window - 1 slots before it (and, bidirectional, after it). The
-        drafter cache keeps each token at the slot of its position (the Engine writes it so), so this is
-        over positions, the context's and the block's alike. The same extent (meta) still bounds it."""
+        drafter cache keeps each token at the slot of its position (the Engine writes it so; an inactive row's
+        block goes to the trash slot), so this is over positions, the context's and the block's alike. The
+        same extent (meta) still bounds it."""
         if window is None and not causal:
             return mask
         keys = torch.arange(mask.shape[-1], device=mask.device)
-        queries = block_slots[:, None, :, None]
+        queries = block_positions[:, None, :, None]
         if causal:
             mask = mask & (keys <= queries)
         if window is not None:

@@ -1,0 +1,186 @@
+"""Prefix reuse: a prompt that starts like text an engine row's caches hold (a released request's, or the
+committed text of a running or prefilling one) prefills only the rest, and generates what a fresh prefill
+does. Rounds leave inactive rows' caches alone, so that a released row keeps its text."""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from ddtree.models.random import ByteTokenizer
+from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.serving.metrics import ServerMetrics, read_samples, total
+from ddtree.serving.scheduler import Request, Scheduler
+from ddtree.speculative.drafter import DrafterConfig, init_drafter
+from test_deepseek_v3 import tiny_mla
+
+G = torch.Generator().manual_seed(3)
+SYSTEM = torch.randint(0, 60, (45,), generator=G).tolist()  # a shared start of several prompts
+USER_A = torch.randint(0, 60, (9,), generator=G).tolist()
+USER_B = torch.randint(0, 60, (13,), generator=G).tolist()
+OTHER = torch.randint(0, 60, (20,), generator=G).tolist()
+SP = SamplingParams(max_new_tokens=20)
+METHODS = [("ar", None), ("dflash", None), ("ddtree", 8)]
+
+
+def make(target, drafter, method, budget, rows=3, **kw) -> Engine:
+    return Engine(
+        target, drafter if method != "ar" else None, method, budget, max_batch_size=rows, max_seq_len=160, **kw
+    )
+
+
+def alone(target, drafter, method, budget, prompt, sp=SP) -> list[int]:
+    """The prompt's tokens from an engine of its own (on copies: an engine sets up its models' caches)."""
+    eng = make(copy.deepcopy(target), copy.deepcopy(drafter), method, budget, rows=1)
+    return eng.generate([prompt], sp)[0].token_ids
+
+
+def start(eng: Engine, row: int, prompt: list[int], reuse: bool = True) -> tuple[int, list[int]]:
+    """begin + prefill (whole); returns (tokens reused, [first token])."""
+    reused = eng.begin(row, prompt, SP, reuse=reuse)
+    first = eng.prefill(row, len(prompt))
+    assert first is not None
+    return reused, [first]
+
+
+def run(eng: Engine, tokens: dict[int, list[int]], n: int, until: int = 20) -> None:
+    """Rounds on rows [0, n) until every row in `tokens` has `until` tokens."""
+    while min(len(t) for t in tokens.values()) < until:
+        for row, emitted in enumerate(eng.step(n)):
+            if row in tokens:
+                tokens[row] += emitted
+
+
+def cache_bytes(eng: Engine, row: int, n: int) -> torch.Tensor:
+    """Slots [0, n) of row `row` in the target cache and every drafter layer's."""
+    parts = [eng.target.slot_storage()[:, row, :, :n].flatten()]
+    if eng.drafter is not None:
+        for layer in eng.drafter.layers:
+            parts += [
+                layer.self_attn.kv_cache.k[row, :, :n].flatten(),
+                layer.self_attn.kv_cache.v[row, :, :n].flatten(),
+            ]
+    return torch.cat(parts).clone()
+
+
+def assert_caches_as_fresh(eng: Engine, row: int, prompt: list[int]) -> None:
+    """Row `row`'s target and drafter caches hold, for the whole prompt, what one prefill of it writes."""
+    fresh = Engine(
+        copy.deepcopy(eng.target), copy.deepcopy(eng.drafter), eng.method, eng.budget, max_batch_size=1, max_seq_len=160
+    )
+    start(fresh, 0, prompt, reuse=False)
+    # keys written by decode rounds differ from a prefill's in the last bits (other GEMM shapes)
+    torch.testing.assert_close(
+        cache_bytes(eng, row, len(prompt)), cache_bytes(fresh, 0, len(prompt)), atol=1e-4, rtol=1e-3
+    )
+
+
+@pytest.mark.parametrize("method,budget", METHODS)
+def test_a_released_row_keeps_its_text_through_other_rows_rounds_and_reuses_it(
+    tiny_target, tiny_drafter, method, budget
+):
+    """Request A runs in row 0 and is released; row 1 then runs rounds over both rows (row 0 idle and
+    inside them), which leave row 0's cached text as it was. Request B, sharing A's system prompt, goes
+    into row 0 reusing those 45 tokens; request C, the next turn of A's conversation (A's prompt, its reply
+    and a new message), reuses A's prompt and reply. Both generate what they generate alone."""
+    eng = make(tiny_target, tiny_drafter, method, budget)
+    prompt_a = SYSTEM + USER_A
+    reused, got = start(eng, 0, prompt_a)
+    assert reused == 0
+    run(eng, {0: got}, 1)
+    reply = got[:20]
+    eng.release(0)
+    held = eng.retained[0]
+    assert held[: len(prompt_a)] == prompt_a and len(held) >= len(prompt_a)
+    before = cache_bytes(eng, 0, len(held))
+    _, other = start(eng, 1, OTHER)
+    run(eng, {1: other}, 2)
+    assert torch.equal(cache_bytes(eng, 0, len(held)), before)
+    eng.release(1)
+
+    reused, got_b = start(eng, 0, SYSTEM + USER_B)
+    assert reused == len(SYSTEM)
+    assert_caches_as_fresh(eng, 0, SYSTEM + USER_B)
+    run(eng, {0: got_b}, 1)
+    assert got_b[:20] == alone(tiny_target, tiny_drafter, method, budget, SYSTEM + USER_B)
+    eng.release(0)
+
+    turn = SYSTEM + USER_B + got_b[:20] + USER_A
+    reused, got_c = start(eng, 0, turn)
+    # the reply's tokens whose keys are in both caches (all but the last round's, for a drafter)
+    assert len(SYSTEM + USER_B) < reused <= len(SYSTEM + USER_B) + 19
+    assert_caches_as_fresh(eng, 0, turn)
+    run(eng, {0: got_c}, 1)
+    assert got_c[:20] == alone(tiny_target, tiny_drafter, method, budget, turn)
+    assert reply == alone(tiny_target, tiny_drafter, method, budget, prompt_a)
+
+
+@pytest.mark.parametrize("method,budget", METHODS)
+def test_a_prefix_is_copied_from_a_running_row(tiny_target, tiny_drafter, method, budget):
+    """B starts while A, with the same system prompt, is generating in another row: B's row gets the
+    shared slots copied from A's, and both generate what they generate alone."""
+    eng = make(tiny_target, tiny_drafter, method, budget)
+    _, got_a = start(eng, 0, SYSTEM + USER_A)
+    eng.step(1)
+    got_a += eng.texts[0][len(SYSTEM + USER_A) + 1 :]
+    reused, got_b = start(eng, 2, SYSTEM + USER_B)
+    assert reused == len(SYSTEM)
+    assert_caches_as_fresh(eng, 2, SYSTEM + USER_B)
+    run(eng, {0: got_a, 2: got_b}, 3)
+    assert got_a[:20] == alone(tiny_target, tiny_drafter, method, budget, SYSTEM + USER_A)
+    assert got_b[:20] == alone(tiny_target, tiny_drafter, method, budget, SYSTEM + USER_B)
+
+
+def test_mla_latents_are_copied_and_reused():
+    """The same on the DeepSeek-V3 family's latent cache: a copied prefix generates what a fresh one does."""
+    mla = tiny_mla()
+    drafter = init_drafter(DrafterConfig.for_target(mla.config, num_layers=1, block_size=8), seed=0)
+    eng = make(mla, drafter, "ddtree", 8, rows=2)
+    _, got_a = start(eng, 0, SYSTEM + USER_A)
+    reused, got_b = start(eng, 1, SYSTEM + USER_B)
+    assert reused == len(SYSTEM)
+    assert_caches_as_fresh(eng, 1, SYSTEM + USER_B)
+    run(eng, {0: got_a, 1: got_b}, 2)
+    assert got_b[:20] == alone(mla, drafter, "ddtree", 8, SYSTEM + USER_B)
+
+
+def test_whole_prompt_held_still_prefills_its_last_token(tiny_target, tiny_drafter):
+    """A prompt the caches hold whole reuses all but its last token, whose forward gives the first token;
+    without reuse nothing is reused, and a row nobody matches is the one released longest ago."""
+    eng = make(tiny_target, tiny_drafter, "ddtree", 8)
+    for row, prompt in ((0, OTHER), (1, SYSTEM), (2, USER_A)):
+        start(eng, row, prompt)
+    for row in (1, 0, 2):
+        eng.release(row)
+    assert eng.free_row_for(USER_B, [0, 1, 2]) == 1
+    assert eng.free_row_for(SYSTEM + USER_B, [0, 2]) == 0  # the oldest release of those without a match
+    assert eng.begin(2, SYSTEM, SP, reuse=False) == 0 and eng.retained[2] == []
+    eng.release(2)
+    reused, got = start(eng, 2, SYSTEM)
+    assert reused == len(SYSTEM) - 1
+    run(eng, {2: got}, 3)
+    assert got[:20] == alone(tiny_target, tiny_drafter, "ddtree", 8, SYSTEM)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_scheduler_counts_reused_prompt_tokens(tiny_target, tiny_drafter, prefix_cache):
+    """Two requests one after the other with the same 45-token system prompt: the second prefills only its
+    own part (ddtree_prefix_cache_hit_tokens), and both return what they return alone."""
+    eng = make(tiny_target, tiny_drafter, "ddtree", 8, rows=2)
+    metrics = ServerMetrics("test")
+    sched = Scheduler(eng, ByteTokenizer(64), metrics, max_waiting=2, prefix_cache=prefix_cache)
+    sched.start()
+    reqs = []
+    try:
+        for user in (USER_A, USER_B):
+            done = threading.Event()
+            reqs.append(Request(SYSTEM + user, SP, None, lambda ev, d=done: (ev.finish_reason or ev.error) and d.set()))
+            sched.submit(reqs[-1])
+            assert done.wait(30)
+    finally:
+        sched.stop()
+    samples = read_samples(metrics.render()[0].decode())
+    assert total(samples, "ddtree_prefix_cache_hit_tokens_total") == (len(SYSTEM) if prefix_cache else 0)
+    for req, user in zip(reqs, (USER_A, USER_B)):
+        assert req.token_ids == alone(tiny_target, tiny_drafter, "ddtree", 8, SYSTEM + user)
