@@ -177,3 +177,25 @@ def test_scheduler_runs_rounds_between_the_chunks_of_a_long_prompt(tiny_target, 
     alone = Engine(tiny_target, tiny_drafter, "ddtree", 8, max_batch_size=1, max_seq_len=300)
     assert reqs[0].token_ids == alone.generate([SHORT], sp)[0].token_ids
     assert reqs[1].token_ids == alone.generate([long_prompt], SamplingParams(max_new_tokens=4))[0].token_ids
+
+
+def test_a_request_being_admitted_when_the_engine_fails_gets_an_error(tiny_target):
+    """An engine that fails while a request goes into its row (not a refusal of the request: that is a
+    ValueError and a 400) stops the engine thread; the request it was admitting is answered 503 too."""
+    from ddtree.models.random import ByteTokenizer
+
+    class Failing(Engine):
+        def begin(self, row, prompt, params, reuse=False):
+            raise RuntimeError("device lost")
+
+    eng = Failing(tiny_target, None, "ar", max_batch_size=1, max_seq_len=64)
+    sched = Scheduler(eng, ByteTokenizer(64), ServerMetrics("test"), max_waiting=1)
+    events = []
+    done = threading.Event()
+    sched.start()
+    try:
+        sched.submit(Request(SHORT, SamplingParams(max_new_tokens=4), None, lambda ev: (events.append(ev), done.set())))
+        assert done.wait(10)
+    finally:
+        sched.stop()
+    assert events[-1].error_status == 503 and "device lost" in events[-1].error

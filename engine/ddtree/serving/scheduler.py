@@ -170,6 +170,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # engine row -> request; engine thread only
         self._prefilling: dict[int, Request] = {}  # engine row -> request whose prompt is going in, oldest first
+        self._admitting: list[Request] = []  # taken from the queue, not yet in an engine row; engine thread only
         self.prefill_budget = engine.prefill_sizes[-1]  # prompt tokens prefilled per iteration
         self._free = engine.max_batch_size  # rows not claimed by a request (guarded by _cv)
         self._stopping = False
@@ -259,21 +260,22 @@ class Scheduler:
                     return
                 taken = self._running.keys() | self._prefilling.keys()
                 free = [row for row in range(engine.max_batch_size) if row not in taken]
-                admits = []
                 while free and self._waiting:
                     req = self._waiting.popleft()
                     req.row = engine.free_row_for(req.prompt_ids, free) if self.prefix_cache else free[0]
                     free.remove(req.row)
                     self._free -= 1
-                    admits.append(req)
+                    self._admitting.append(req)
                 self.metrics.requests_waiting.set(len(self._waiting))
                 self._set_load()
             start = time.perf_counter()
+            admits = list(self._admitting)
             for req in admits:
                 if req.cancelled:
                     self._finish(req, None)
                 else:
                     self._admit(req.row, req)
+                self._admitting.remove(req)  # after: an engine failure in _admit leaves it to _fail_all
             self._prefill()
             self.metrics.requests_running.set(self.running)
             self._set_load()
@@ -465,7 +467,8 @@ class Scheduler:
     def _fail_all(self, status: int, message: str) -> None:
         with self._cv:
             waiting, self._waiting = list(self._waiting), deque()
-        for req in [*self._running.values(), *self._prefilling.values(), *waiting]:
+        admitting, self._admitting = self._admitting, []
+        for req in [*self._running.values(), *self._prefilling.values(), *admitting, *waiting]:
             if not req.cancelled:
                 self._error(req, status, message)
             else:
