@@ -13,6 +13,9 @@
 # budget-auto (not in the default set) the same load for ddtree with --budget auto against budgets 8, 16, 32,
 #            64 and the per-batch-size policy of the smollm2 part
 # gpu-tests  the tests marked gpu
+# prefix-cache (not in the default set) the agentic workload with and without prefix reuse: `ddtree serve` of
+#            the Qwen3-8B shape (random weights, ddtree B=8, 16 rows), a 2000-token system prompt shared by every
+#            request, user turns of 50..300 tokens, Poisson arrivals at 2 and 4 requests/s, 64 new tokens each
 # first-pass (not in the default set) the first request of each new prompt length against the second:
 #            `ddtree serve` of the Qwen3-8B shape (random weights, ar and ddtree) with an empty Triton cache,
 #            one client, 16 prompts of 23..1800 tokens, two passes
@@ -40,9 +43,9 @@ PARTS=("$@")
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
 for part in "${PARTS[@]}"; do
   case $part in
-    micro|rounds|smollm2|serve|budget-auto|gpu-tests|kernels|moe|quant|load|first-pass) ;;
+    micro|rounds|smollm2|serve|budget-auto|gpu-tests|kernels|moe|quant|load|first-pass|prefix-cache) ;;
     *) echo "unknown part '$part' (micro, rounds, smollm2, serve, budget-auto, gpu-tests, kernels, moe, quant, load," \
-         "first-pass)" >&2
+         "first-pass, prefix-cache)" >&2
        exit 2 ;;
   esac
 done
@@ -197,6 +200,24 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
           > "$OUT_DIR/first-pass/$method-metrics.txt" || true
         kill "$server" 2>/dev/null; wait "$server" || true
         rm -rf "$cache"
+      done ;;
+    prefix-cache)
+      mkdir -p "$OUT_DIR/prefix-cache"
+      for cache in on off; do
+        log "prefix-cache: $cache, a shared 2000-token system prompt at 2 and 4 requests/s"
+        flags=()
+        [[ $cache == off ]] && flags=(--no-prefix-cache)
+        port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        $PY -m ddtree serve --model random:qwen3-8b --drafter random:5 --method ddtree --budget 8 \
+          --max-batch-size 16 --max-seq-len 4096 --kernels triton --port "$port" "${flags[@]}" \
+          > "$OUT_DIR/prefix-cache/$cache.log" 2>&1 &
+        server=$!
+        $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --completions --request-rate 2,4 --num-requests 40 \
+          --system-prompt-tokens 2000 --prompt-lengths uniform:50:300 --max-tokens 64 --seed 0 --json \
+          > "$OUT_DIR/prefix-cache/$cache.jsonl" || true
+        curl -s "http://127.0.0.1:$port/metrics" | grep -E '^ddtree_(prefix_cache|prompt_tokens|prefill_seconds_sum)' \
+          > "$OUT_DIR/prefix-cache/$cache-metrics.txt" || true
+        kill "$server" 2>/dev/null; wait "$server" || true
       done ;;
     gpu-tests)
       log "gpu-tests"
