@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddtree.models.random import ByteTokenizer
-from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.runtime.engine import Engine, SamplingParams, shared_prefix
 from ddtree.serving.metrics import ServerMetrics, read_samples, total
 from ddtree.serving.scheduler import Request, Scheduler
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
@@ -184,3 +184,13 @@ def test_scheduler_counts_reused_prompt_tokens(tiny_target, tiny_drafter, prefix
     assert total(samples, "ddtree_prefix_cache_hit_tokens_total") == (len(SYSTEM) if prefix_cache else 0)
     for req, user in zip(reqs, (USER_A, USER_B)):
         assert req.token_ids == alone(tiny_target, tiny_drafter, "ddtree", 8, SYSTEM + user)
+
+
+def test_shared_prefix_counts_the_leading_tokens_two_texts_share():
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        a = torch.randint(0, 3, (int(torch.randint(0, 700, (), generator=rng)),), generator=rng).tolist()
+        cut = int(torch.randint(0, len(a) + 1, (), generator=rng))
+        b = a[:cut] + torch.randint(0, 3, (int(torch.randint(0, 300, (), generator=rng)),), generator=rng).tolist()
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert shared_prefix(a, b) == shared_prefix(b, a) == want

@@ -63,14 +63,19 @@ PREFILL_STEP = 128  # above this, prefill sizes grow by this much, not doubling:
 FORECAST_SCALE = 1000  # forecasts travel in the integer readout as thousandths of a token
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens a and b share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def shared_prefix(a: list[int], b: list[int], step: int = 256) -> int:
+    """How many leading tokens a and b share. Slices of `step` tokens compare at C speed: admission runs
+    this for every engine row, and contexts of 32k tokens held by 64 rows took 0.1 s token by token."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + step] == b[i : i + step]:
+        i += step
+    if i >= n:
+        return n
+    end = min(i + step, n)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def prefill_sizes(largest: int) -> tuple[int, ...]:
