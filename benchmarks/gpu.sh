@@ -18,7 +18,7 @@
 #            request, user turns of 50..300 tokens, Poisson arrivals at 2 and 4 requests/s, 64 new tokens each
 # first-pass (not in the default set) the first request of each new prompt length against the second:
 #            `ddtree serve` of the Qwen3-8B shape (random weights, ar and ddtree) with an empty Triton cache,
-#            one client, 16 prompts of 23..1800 tokens, two passes
+#            one client, 16 prompts of 23..1800 tokens, two passes (prefix reuse off)
 # moe        (not in the default set) mixtures of experts: the verify tax (forwards of 1..65 tokens at
 #            batch 1/8/32 against the active-expert HBM bound) and whole rounds with the budget
 #            recommendation, on Qwen3-30B-A3B and a 3-layer cut of Kimi K2.6 (random bf16 weights)
@@ -188,8 +188,10 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
         log "first-pass: $method, new prompt lengths against the same ones again"
         port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
         cache=$(mktemp -d)  # a fresh pod's Triton cache: empty
+        # without prefix reuse: the second pass prefills its prompts again, as the first does
         TRITON_CACHE_DIR=$cache $PY -m ddtree serve --model random:qwen3-8b --drafter random:5 --method "$method" \
-          --budget 8 --max-batch-size 8 --kernels triton --port "$port" > "$OUT_DIR/first-pass/$method.log" 2>&1 &
+          --budget 8 --max-batch-size 8 --kernels triton --no-prefix-cache --port "$port" \
+          > "$OUT_DIR/first-pass/$method.log" 2>&1 &
         server=$!
         for pass in first second; do
           $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --completions --concurrency 1 \
