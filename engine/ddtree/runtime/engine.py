@@ -305,8 +305,7 @@ class Engine:
         generated token once the whole prompt is in, else None.
 
         Between chunks the row takes part in rounds as an inactive row: its length is the prefilled count,
-        so the tree and block a round writes for it land past the prompt's prefilled part, where the next
-        chunk (or, past the prompt, nothing that is ever shown) overwrites them."""
+        and a round writes nothing into its caches (its tree and block go to the trash slot)."""
         job = self.prefills[row]
         hidden, used, budget = None, 0, max(1, budget)
         while job.done < len(job.prompt) and used < budget:
