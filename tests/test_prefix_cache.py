@@ -194,3 +194,57 @@ def test_shared_prefix_counts_the_leading_tokens_two_texts_share():
         b = a[:cut] + torch.randint(0, 3, (int(torch.randint(0, 300, (), generator=rng)),), generator=rng).tolist()
         want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         assert shared_prefix(a, b) == shared_prefix(b, a) == want
+
+
+@pytest.mark.parametrize("method,budget", METHODS)
+def test_random_admissions_with_reuse_generate_what_each_prompt_generates_alone(
+    tiny_target, tiny_drafter, method, budget
+):
+    """Twelve requests in three rows, admitted as rows free up, prefilled in chunks of 16 between rounds;
+    their prompts share starts (a system prompt, earlier prompts, earlier prompts and their replies) and are
+    reused from their own row, another released row or a running one. Each generates what it does alone."""
+    rng = torch.Generator().manual_seed(7)
+
+    def rand(n):
+        return torch.randint(0, 60, (n,), generator=rng).tolist()
+
+    eng = make(tiny_target, tiny_drafter, method, budget, prefill_chunk=16)
+    done: list[tuple[list[int], int, list[int]]] = []  # (prompt, max new tokens, tokens)
+    rows: dict[int, tuple[list[int], int, list[int]]] = {}
+    reused = 0
+    for k in range(12):
+        choice = int(torch.randint(0, 3, (), generator=rng))
+        if choice == 0 or not done:
+            prompt = SYSTEM + rand(int(torch.randint(1, 20, (), generator=rng)))
+        elif choice == 1:
+            prompt = done[-1][0][: int(torch.randint(1, len(done[-1][0]) + 1, (), generator=rng))] + rand(5)
+        else:
+            prev = done[int(torch.randint(0, len(done), (), generator=rng))]
+            prompt = prev[0] + prev[2] + rand(3)
+        want = int(torch.randint(4, 17, (), generator=rng))
+        while len(rows) == eng.max_batch_size or (rows and int(torch.randint(0, 2, (), generator=rng))):
+            for row, emitted in enumerate(eng.step(eng.max_batch_size)):
+                if row in rows and emitted:
+                    rows[row][2].extend(emitted)
+            for row in [r for r, (_, n, toks) in rows.items() if len(toks) >= n]:
+                done.append(rows.pop(row))
+                eng.release(row)
+        row = eng.free_row_for(prompt, [r for r in range(eng.max_batch_size) if r not in rows])
+        reused += eng.begin(row, prompt, SamplingParams(max_new_tokens=want), reuse=True)
+        while (first := eng.prefill(row, 16)) is None:
+            for r, emitted in enumerate(eng.step(eng.max_batch_size)):
+                if r in rows and emitted:
+                    rows[r][2].extend(emitted)
+        rows[row] = (prompt, want, [first])
+    while rows:
+        for row, emitted in enumerate(eng.step(eng.max_batch_size)):
+            if row in rows and emitted:
+                rows[row][2].extend(emitted)
+        for row in [r for r, (_, n, toks) in rows.items() if len(toks) >= n]:
+            done.append(rows.pop(row))
+            eng.release(row)
+    assert len(done) == 12 and reused > 12 * 10
+    for prompt, want, tokens in done:
+        assert tokens[:want] == alone(
+            tiny_target, tiny_drafter, method, budget, prompt, SamplingParams(max_new_tokens=want)
+        )
