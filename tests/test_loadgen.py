@@ -30,6 +30,7 @@ KEYS = {
     "arrival",
     "response_format",
     "grammar_replaced_tokens",
+    "prefix_cache_hit_tokens",
     "concurrency",
     "request_rate",
     "achieved_request_rate",
@@ -203,6 +204,8 @@ def test_poisson_arrivals_with_a_shared_system_prompt_and_uniform_user_turns(ser
     systems, users = zip(*(system_and_user(p) for p in prompts))
     assert all(s == systems[0] for s in systems), "every request has the same system prompt"
     assert len(systems[0]) == pytest.approx(200, rel=0.1)
+    # once in the rows' caches, the shared system prompt is not prefilled again (8 rows: 8 first requests at most)
+    assert r["prefix_cache_hit_tokens"] >= (count - engine.max_batch_size) * len(systems[0])
     user_tokens = [len(u) - 2 for u in users]  # less the "\n\n" after the system prompt
     drawn = turn_lengths(lengths, count, 3)
     assert drawn == turn_lengths(lengths, count, 3) != turn_lengths(lengths, count, 4)

@@ -357,6 +357,7 @@ async def bench_serve(
                     else float("nan"),
                     "response_format": _format_name(response_format),
                     "grammar_replaced_tokens": int(d("ddtree_grammar_replaced_tokens_total")),
+                    "prefix_cache_hit_tokens": int(d("ddtree_prefix_cache_hit_tokens_total")),
                     "rounds": int(rounds),
                     "mean_batch": round(drafts / rounds, 2) if rounds else float("nan"),
                     "engine_step_ms_per_round": round(step_ms, 3),
