@@ -15,7 +15,8 @@
 # gpu-tests  the tests marked gpu
 # prefix-cache (not in the default set) the agentic workload with and without prefix reuse: `ddtree serve` of
 #            the Qwen3-8B shape (random weights, ddtree B=8, 16 rows), a 2000-token system prompt shared by every
-#            request, user turns of 50..300 tokens, Poisson arrivals at 2 and 4 requests/s, 64 new tokens each
+#            request, user turns of 50..300 tokens, Poisson arrivals at 2 and 4 requests/s, 64 new tokens each;
+#            and conversations of 4 turns (bench-serve --turns 4) at 1 and 8 clients
 # first-pass (not in the default set) the first request of each new prompt length against the second:
 #            `ddtree serve` of the Qwen3-8B shape (random weights, ar and ddtree) with an empty Triton cache,
 #            one client, 16 prompts of 23..1800 tokens, two passes (prefix reuse off)
@@ -217,6 +218,10 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
         $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --completions --request-rate 2,4 --num-requests 40 \
           --system-prompt-tokens 2000 --prompt-lengths uniform:50:300 --max-tokens 64 --seed 0 --json \
           > "$OUT_DIR/prefix-cache/$cache.jsonl" || true
+        # conversations: 4 turns each, every turn resending the earlier ones with their replies
+        $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --completions --concurrency 1,8 \
+          --requests-per-client 8 --turns 4 --system-prompt-tokens 500 --prompt-lengths uniform:50:300 \
+          --max-tokens 64 --seed 0 --json > "$OUT_DIR/prefix-cache/$cache-turns.jsonl" || true
         curl -s "http://127.0.0.1:$port/metrics" | grep -E '^ddtree_(prefix_cache|prompt_tokens|prefill_seconds_sum)' \
           > "$OUT_DIR/prefix-cache/$cache-metrics.txt" || true
         kill "$server" 2>/dev/null; wait "$server" || true

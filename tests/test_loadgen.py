@@ -37,6 +37,7 @@ KEYS = {
     "seed",
     "system_prompt_tokens",
     "prompt_lengths",
+    "turns",
     "requests",
     "errors",
     "error_statuses",
@@ -147,6 +148,8 @@ def test_prompt_lengths_parse_and_draw():
         (["--prompt-lengths", "uniform:9:1"], "--prompt-lengths takes fixed:N or uniform:LO:HI"),
         (["--prompt-lengths", "fixed:9", "--prompts-file", "p.txt"], "--prompts-file gives them: give one"),
         (["--system-prompt-tokens", "-5"], "--system-prompt-tokens must be >= 0"),
+        (["--request-rate", "2", "--turns", "2"], "--turns goes with the closed loop"),
+        (["--turns", "0"], "--turns must be >= 1"),
         (["--response-format", "json"], "'json' is neither json_object nor a readable JSON Schema file"),
     ],
 )
@@ -272,3 +275,21 @@ def test_sizes_over_the_servers_context_are_refused_before_any_request(server):
             )
         )
     assert len(engine.prompts) == first
+
+
+def test_conversations_send_their_earlier_turns_and_replies_and_reuse_them(server):
+    """--turns 2: each client's second request is its first prompt, the reply, and a new user turn; the
+    server takes the first prompt from its caches instead of prefilling it again."""
+    url, engine = server
+    first = len(engine.prompts)
+    (r,) = asyncio.run(bench_serve(url, (2,), requests_per_client=4, max_tokens=3, system_prompt_tokens=30, turns=2))
+    assert set(r) == KEYS and r["turns"] == 2 and r["errors"] == 0 and r["requests"] == 8, r
+    _, *prompts = engine.prompts[first:]
+    openers = [p for p in prompts if not any(q is not p and p[: len(q)] == q for q in prompts)]
+    followers = [p for p in prompts if p not in openers]
+    assert len(openers) == len(followers) == 4
+    for p in followers:  # a second turn holds the first: chat template, user turn, the reply, then more
+        (opener,) = [q for q in openers if p[: len(q)] == q]
+        assert len(p) > len(opener) + 3
+    hits = r["prefix_cache_hit_tokens"]
+    assert hits >= sum(max(len(q) for q in openers if p[: len(q)] == q) for p in followers)

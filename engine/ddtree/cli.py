@@ -334,6 +334,13 @@ def add_serve_commands(subparsers) -> None:
         "--prompt-lengths",
         help="generated user turns of fixed:N or uniform:LO:HI tokens (default: the built-in prompts)",
     )
+    b.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="closed loop: each client holds conversations of this many requests, each sending the earlier "
+        "turns and replies before a new user turn (default 1: independent requests)",
+    )
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--completions", action="store_true", help="raw prompts to /v1/completions (default: chat)")

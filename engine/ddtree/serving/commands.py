@@ -157,6 +157,7 @@ def cmd_bench_serve(args) -> int:
             prompt_lengths=prompt_lengths,
             seed=args.seed,
             response_format=response_format,
+            turns=args.turns,
         )
     )
     for r in results:

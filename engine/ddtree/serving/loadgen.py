@@ -96,14 +96,25 @@ class Workload:
     system_prompt: str | None
     user_turns: list[str]
 
-    def fields(self, k: int, chat: bool) -> dict:
+    def fields(self, k: int, chat: bool, earlier: Sequence[tuple[int, str]] = ()) -> dict:
         """Request k's `messages` (chat: the system prompt as a system message) or `prompt` (completions: the
-        system prompt as its prefix)."""
+        system prompt as its prefix). `earlier`: the conversation so far, (request, reply) per turn before
+        this one (bench-serve --turns): their user turns and replies come first, as messages or text."""
+        turns = [(self.user_turns[j % len(self.user_turns)], reply) for j, reply in earlier]
         turn = self.user_turns[k % len(self.user_turns)]
         if chat:
             system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            return {"messages": [*system, {"role": "user", "content": turn}]}
-        return {"prompt": f"{self.system_prompt}\n\n{turn}" if self.system_prompt else turn}
+            history = [
+                m
+                for user, reply in turns
+                for m in ({"role": "user", "content": user}, {"role": "assistant", "content": reply})
+            ]
+            return {"messages": [*system, *history, {"role": "user", "content": turn}]}
+        # completions: the text goes on from where each reply stopped, then the next turn after a blank line
+        text = f"{self.system_prompt}\n\n" if self.system_prompt else ""
+        for user, reply in turns:
+            text += f"{user}{reply}\n\n"
+        return {"prompt": text + turn}
 
 
 def turn_lengths(lengths: PromptLengths, count: int, seed: int) -> list[int]:
@@ -143,7 +154,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 async def _bench_one(session, url: str, body: dict, chat: bool) -> dict:
     t0 = time.perf_counter()
-    ttft, tokens, prompt_tokens = None, 0, None
+    ttft, tokens, prompt_tokens, text = None, 0, None, []
     status: int | str = 0  # the HTTP status, or the exception's name
     try:
         async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body) as r:
@@ -160,8 +171,11 @@ async def _bench_one(session, url: str, body: dict, chat: bool) -> dict:
                         tokens = data["usage"]["completion_tokens"]
                         prompt_tokens = data["usage"]["prompt_tokens"]
                     for c in data.get("choices", []):
-                        if ttft is None and (c.get("text") or (c.get("delta") or {}).get("content")):
-                            ttft = time.perf_counter() - t0
+                        piece = c.get("text") or (c.get("delta") or {}).get("content")
+                        if piece:
+                            text.append(piece)
+                            if ttft is None:
+                                ttft = time.perf_counter() - t0
             else:
                 await r.read()
     except Exception as exc:  # noqa: BLE001 - a failed request is a data point
@@ -172,6 +186,7 @@ async def _bench_one(session, url: str, body: dict, chat: bool) -> dict:
         "ttft": ttft,
         "tokens": tokens,
         "prompt_tokens": prompt_tokens,
+        "text": "".join(text),
     }
 
 
@@ -212,6 +227,7 @@ async def bench_serve(
     prompt_lengths: PromptLengths | None = None,
     seed: int = 0,
     response_format: dict | None = None,
+    turns: int = 1,
 ) -> list[dict]:
     """Drive a running server, one level at a time: `c` closed-loop clients per level of `concurrencies` (each
     sends requests_per_client streaming requests back to back), or, with request_rates, num_requests requests
@@ -222,13 +238,19 @@ async def bench_serve(
     and, from /metrics deltas, the time per round inside engine.step versus the scheduler's wall time per
     round (the difference, prefills excluded, is the serving overhead). With response_format, every request
     asks for it (the grammar ends the text, so EOS ends requests: ignore_eos must be off) and each level
-    reports the tokens the grammar replaced."""
+    reports the tokens the grammar replaced. With turns > 1 (closed loop only) each client holds
+    conversations of `turns` requests: every request after a conversation's first sends its earlier user
+    turns and the replies it got, then a new user turn, as an agent or a chat user does."""
     import aiohttp
 
     from .metrics import read_samples, total
 
     if response_format and ignore_eos:
         raise UsageError("a response_format ends the text with the grammar: it cannot go with ignore_eos")
+    if turns < 1:
+        raise UsageError(f"--turns must be >= 1, got {turns}")
+    if turns > 1 and request_rates:
+        raise UsageError("--turns goes with the closed loop (a turn waits for the reply before it): not --request-rate")
     url = url.rstrip("/")
     results = []
     conn = aiohttp.TCPConnector(limit=0)
@@ -252,11 +274,11 @@ async def bench_serve(
         tokens_per_word = 1.0
         if system_prompt_tokens or prompt_lengths:
             max_model_len = served.get("max_model_len")
-            longest = system_prompt_tokens + (prompt_lengths.high if prompt_lengths else 0) + max_tokens
+            longest = system_prompt_tokens + turns * ((prompt_lengths.high if prompt_lengths else 0) + max_tokens)
             if max_model_len and longest > max_model_len:
                 raise UsageError(
-                    f"--system-prompt-tokens, the longest --prompt-lengths and --max-tokens add up to {longest} "
-                    f"tokens, over the server's max_model_len {max_model_len}"
+                    f"--system-prompt-tokens and --turns x (the longest --prompt-lengths + --max-tokens) add up to "
+                    f"{longest} tokens, over the server's max_model_len {max_model_len}"
                 )
             tokens_per_word = await _tokens_per_word(session, url, model, max_model_len)
         count = num_requests if request_rates else max(concurrencies) * requests_per_client
@@ -272,8 +294,8 @@ async def bench_serve(
         if response_format:
             common["response_format"] = response_format
 
-        async def request(k: int) -> dict:
-            return await _bench_one(session, url, {**common, **workload.fields(k, chat)}, chat)
+        async def request(k: int, earlier: Sequence[tuple[int, str]] = ()) -> dict:
+            return await _bench_one(session, url, {**common, **workload.fields(k, chat, earlier)}, chat)
 
         async def scrape():  # the server's own samples: process_cpu_seconds_total and the like never settle
             async with session.get(url + "/metrics") as r:
@@ -283,8 +305,13 @@ async def bench_serve(
             records: list[dict] = []
 
             async def client(i: int) -> None:
+                earlier: list[tuple[int, str]] = []  # this conversation's turns so far
                 for k in range(requests_per_client):
-                    records.append(await request(i * requests_per_client + k))
+                    if k % turns == 0:
+                        earlier = []
+                    record = await request(i * requests_per_client + k, earlier)
+                    records.append(record)
+                    earlier = [*earlier, (i * requests_per_client + k, record["text"])]
 
             await asyncio.gather(*(client(i) for i in range(c)))
             return records, None
@@ -333,6 +360,7 @@ async def bench_serve(
                     "seed": seed,
                     "system_prompt_tokens": system_prompt_tokens or None,
                     "prompt_lengths": prompt_lengths.spec if prompt_lengths else None,
+                    "turns": turns,
                     "requests": len(records),
                     "errors": len(records) - len(ok),
                     "error_statuses": sorted({str(r["status"]) for r in records if r["status"] != 200}),
@@ -412,6 +440,11 @@ def bench_line(r: dict) -> str:
         + (
             f"  {r['response_format']}: {r['grammar_replaced_tokens']} tokens replaced"
             if r.get("response_format")
+            else ""
+        )
+        + (
+            f"  prefix cache: {r['prefix_cache_hit_tokens']} prompt tokens reused"
+            if r["prefix_cache_hit_tokens"]
             else ""
         )
     )
