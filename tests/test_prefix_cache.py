@@ -212,7 +212,7 @@ def test_random_admissions_with_reuse_generate_what_each_prompt_generates_alone(
     done: list[tuple[list[int], int, list[int]]] = []  # (prompt, max new tokens, tokens)
     rows: dict[int, tuple[list[int], int, list[int]]] = {}
     reused = 0
-    for k in range(12):
+    for _ in range(12):
         choice = int(torch.randint(0, 3, (), generator=rng))
         if choice == 0 or not done:
             prompt = SYSTEM + rand(int(torch.randint(1, 20, (), generator=rng)))
