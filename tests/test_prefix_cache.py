@@ -147,14 +147,12 @@ def test_mla_latents_are_copied_and_reused():
 
 def test_whole_prompt_held_still_prefills_its_last_token(tiny_target, tiny_drafter):
     """A prompt the caches hold whole reuses all but its last token, whose forward gives the first token;
-    without reuse nothing is reused, and a row nobody matches is the one released longest ago."""
+    without reuse nothing is reused."""
     eng = make(tiny_target, tiny_drafter, "ddtree", 8)
     for row, prompt in ((0, OTHER), (1, SYSTEM), (2, USER_A)):
         start(eng, row, prompt)
     for row in (1, 0, 2):
         eng.release(row)
-    assert eng.free_row_for(USER_B, [0, 1, 2]) == 1
-    assert eng.free_row_for(SYSTEM + USER_B, [0, 2]) == 0  # the oldest release of those without a match
     assert eng.begin(2, SYSTEM, SP, reuse=False) == 0 and eng.retained[2] == []
     eng.release(2)
     reused, got = start(eng, 2, SYSTEM)
@@ -229,7 +227,7 @@ def test_random_admissions_with_reuse_generate_what_each_prompt_generates_alone(
             for row in [r for r, (_, n, toks) in rows.items() if len(toks) >= n]:
                 done.append(rows.pop(row))
                 eng.release(row)
-        row = eng.free_row_for(prompt, [r for r in range(eng.max_batch_size) if r not in rows])
+        row = min(r for r in range(eng.max_batch_size) if r not in rows)  # the scheduler's choice
         reused += eng.begin(row, prompt, SamplingParams(max_new_tokens=want), reuse=True)
         while (first := eng.prefill(row, 16)) is None:
             for r, emitted in enumerate(eng.step(eng.max_batch_size)):
@@ -248,3 +246,32 @@ def test_random_admissions_with_reuse_generate_what_each_prompt_generates_alone(
         assert tokens[:want] == alone(
             tiny_target, tiny_drafter, method, budget, prompt, SamplingParams(max_new_tokens=want)
         )
+
+
+def test_a_prefix_held_by_a_higher_row_is_copied_into_the_lowest_free_row(tiny_target, tiny_drafter):
+    """Rounds run rows [0, highest running + 1): a lone request whose prompt start only row 2 holds goes into
+    row 0 with that start copied, and its rounds run on one row, not three."""
+
+    class Rounds(Engine):
+        def step(self, n, budget=None):
+            self.sizes.append(n)
+            return super().step(n, budget)
+
+    eng = Rounds(tiny_target, tiny_drafter, "ddtree", 8, max_batch_size=3, max_seq_len=160)
+    eng.sizes = []
+    for row, prompt in ((0, OTHER), (1, USER_A), (2, SYSTEM + USER_A)):
+        start(eng, row, prompt)
+        eng.release(row)
+    metrics = ServerMetrics("test")
+    sched = Scheduler(eng, ByteTokenizer(64), metrics, max_waiting=2)
+    req, done = None, threading.Event()
+    sched.start()
+    try:
+        req = Request(SYSTEM + USER_B, SP, None, lambda ev: (ev.finish_reason or ev.error) and done.set())
+        sched.submit(req)
+        assert done.wait(30)
+    finally:
+        sched.stop()
+    assert total(read_samples(metrics.render()[0].decode()), "ddtree_prefix_cache_hit_tokens_total") == len(SYSTEM)
+    assert eng.sizes and set(eng.sizes) == {1}
+    assert req.token_ids == alone(tiny_target, tiny_drafter, "ddtree", 8, SYSTEM + USER_B)

@@ -144,9 +144,6 @@ class ScriptedEngine:
         self.pending[row] = (prompt, params)
         return 0  # nothing reused
 
-    def free_row_for(self, prompt, free):
-        return free[0]
-
     def prefill(self, row, budget):
         return self.add(row, *self.pending.pop(row))
 

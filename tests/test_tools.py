@@ -423,9 +423,6 @@ class ScriptedEngine:
         self.prompts.append(list(prompt))
         return 0  # nothing reused
 
-    def free_row_for(self, prompt, free):
-        return free[0]
-
     def prefill(self, row, budget):
         tokens = [*self.scripts.popleft(), self.eos]
         self.rows[row] = tokens[1:]

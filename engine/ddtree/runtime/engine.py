@@ -226,8 +226,6 @@ class Engine:
         # starts the same way: begin(reuse=True)); rounds leave inactive rows' caches alone
         self.texts: list[list[int]] = [[] for _ in range(b)]
         self.retained: list[list[int]] = [[] for _ in range(b)]
-        self.released_at = [0] * b  # release order: a row without a matching prefix goes oldest first
-        self.releases = 0
 
     # ---- joining and leaving ----------------------------------------------------------------
 
@@ -283,11 +281,6 @@ class Engine:
                 if n > best[1]:
                     best = (other, n)
         return best
-
-    def free_row_for(self, prompt: list[int], free: list[int]) -> int:
-        """Of the `free` rows, the one to run `prompt` in: the one whose retained text shares the longest start
-        with it, else the one released longest ago (the others keep their prefixes for later requests)."""
-        return max(free, key=lambda r: (shared_prefix(self.retained[r], prompt), -self.released_at[r]))
 
     def _copy_prefix(self, source: int, row: int, n: int) -> None:
         """Copy slots [0, n) of row `source` to row `row` in the target cache (every layer) and the drafter's."""
@@ -436,8 +429,6 @@ class Engine:
         """Take row `row` out of the rounds. Its caches keep what they hold (cached_text) for begin(reuse=True)."""
         if self.host_active[row] or row in self.prefills:
             self.retained[row] = self.cached_text(row)
-            self.releases += 1
-            self.released_at[row] = self.releases
         self.texts[row] = []
         self.prefills.pop(row, None)
         if self.budgets is not None:

@@ -262,8 +262,9 @@ class Scheduler:
                 free = [row for row in range(engine.max_batch_size) if row not in taken]
                 while free and self._waiting:
                     req = self._waiting.popleft()
-                    req.row = engine.free_row_for(req.prompt_ids, free) if self.prefix_cache else free[0]
-                    free.remove(req.row)
+                    # the lowest free row: a round runs rows [0, highest running + 1), so rows stay packed (a
+                    # prompt start held by a higher row is copied down by begin)
+                    req.row = free.pop(0)
                     self._free -= 1
                     self._admitting.append(req)
                 self.metrics.requests_waiting.set(len(self._waiting))
