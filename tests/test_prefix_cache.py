@@ -210,6 +210,16 @@ def test_random_admissions_with_reuse_generate_what_each_prompt_generates_alone(
     done: list[tuple[list[int], int, list[int]]] = []  # (prompt, max new tokens, tokens)
     rows: dict[int, tuple[list[int], int, list[int]]] = {}
     reused = 0
+
+    def round_and_release() -> None:
+        """One round over every row; rows whose request has all its tokens are released."""
+        for row, emitted in enumerate(eng.step(eng.max_batch_size)):
+            if row in rows and emitted:
+                rows[row][2].extend(emitted)
+        for row in [r for r, (_, n, toks) in rows.items() if len(toks) >= n]:
+            done.append(rows.pop(row))
+            eng.release(row)
+
     for _ in range(12):
         choice = int(torch.randint(0, 3, (), generator=rng))
         if choice == 0 or not done:
@@ -221,12 +231,7 @@ def test_random_admissions_with_reuse_generate_what_each_prompt_generates_alone(
             prompt = prev[0] + prev[2] + rand(3)
         want = int(torch.randint(4, 17, (), generator=rng))
         while len(rows) == eng.max_batch_size or (rows and int(torch.randint(0, 2, (), generator=rng))):
-            for row, emitted in enumerate(eng.step(eng.max_batch_size)):
-                if row in rows and emitted:
-                    rows[row][2].extend(emitted)
-            for row in [r for r, (_, n, toks) in rows.items() if len(toks) >= n]:
-                done.append(rows.pop(row))
-                eng.release(row)
+            round_and_release()
         row = min(r for r in range(eng.max_batch_size) if r not in rows)  # the scheduler's choice
         reused += eng.begin(row, prompt, SamplingParams(max_new_tokens=want), reuse=True)
         while (first := eng.prefill(row, 16)) is None:
@@ -235,12 +240,7 @@ def test_random_admissions_with_reuse_generate_what_each_prompt_generates_alone(
                     rows[r][2].extend(emitted)
         rows[row] = (prompt, want, [first])
     while rows:
-        for row, emitted in enumerate(eng.step(eng.max_batch_size)):
-            if row in rows and emitted:
-                rows[row][2].extend(emitted)
-        for row in [r for r, (_, n, toks) in rows.items() if len(toks) >= n]:
-            done.append(rows.pop(row))
-            eng.release(row)
+        round_and_release()
     assert len(done) == 12 and reused > 12 * 10
     for prompt, want, tokens in done:
         assert tokens[:want] == alone(
