@@ -18,11 +18,7 @@ SHORT = [7, 8, 9]
 def caches(models, row, n):
     """Keys and values of the first n cache slots of batch row `row`, every layer of every model."""
     return torch.cat(
-        [
-            torch.stack([layer.self_attn.kv_cache.k[row, :, :n], layer.self_attn.kv_cache.v[row, :, :n]]).flatten()
-            for model in models
-            for layer in model.layers
-        ]
+        [torch.stack(layer.self_attn.kv_cache.row(row, n)).flatten() for model in models for layer in model.layers]
     )
 
 

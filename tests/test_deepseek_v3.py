@@ -15,6 +15,7 @@ from ddtree.models.deepseek_v3 import LatentCache, ModelConfig, Transformer
 from ddtree.models.layers import rope_attention_factor, rope_inv_freq
 from ddtree.models.registry import config_from_hf, family_for, load_pretrained
 from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.runtime.pages import PAGE_SIZE
 from ddtree.runtime.parallel import check_divisible, launch, split
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from ddtree.speculative.tree import build_ddtree
@@ -302,7 +303,7 @@ def test_tree_nodes_equal_their_ancestor_paths(mla):
 
 
 def test_latent_cache_layout_and_compaction_over_many_rounds_equals_fresh_prefill(mla, mla_drafter):
-    """One buffer [layers, batch, slots + 1, kv_lora_rank + qk_rope_head_dim]; after 12 rounds that accept
+    """One buffer [layers, physical slots + 1, kv_lora_rank + qk_rope_head_dim]; after 12 rounds that accept
     long paths (an oracle drafter), each row's cache equals a fresh prefill of its committed text."""
     from test_engine import OracleEngine
 
@@ -311,7 +312,7 @@ def test_latent_cache_layout_and_compaction_over_many_rounds_equals_fresh_prefil
     )
     full = [p + r.token_ids for p, r in zip(PROMPTS, ref)]
     eng = OracleEngine(mla, mla_drafter, "ddtree", 16, max_batch_size=3, max_seq_len=128, continuations=full)
-    assert tuple(mla.latent_storage.shape) == (3, 3, eng.max_slots + 1, 32 + 16)
+    assert tuple(mla.latent_storage.shape) == (3, eng.page_pool.pages * PAGE_SIZE + 1, 32 + 16)
     assert all(isinstance(layer.self_attn.cache, LatentCache) for layer in mla.model.layers)
     emitted = [[eng.add(i, p, SamplingParams(max_new_tokens=80))] for i, p in enumerate(PROMPTS)]
     for _ in range(12):
@@ -321,15 +322,14 @@ def test_latent_cache_layout_and_compaction_over_many_rounds_equals_fresh_prefil
     assert [p + e for p, e in zip(PROMPTS, emitted)] == [
         f[: len(p) + len(e)] for f, p, e in zip(full, PROMPTS, emitted)
     ]
-    cache = mla.latent_storage.clone()
+    cache = [[layer.self_attn.cache.row(i, eng.host_lengths[i]) for layer in mla.model.layers] for i in range(3)]
     for i, p in enumerate(PROMPTS):
         text = p + emitted[i][:-1]  # the last emitted token is the pending bonus, not yet in the cache
         assert eng.host_lengths[i] == len(text)
         fresh = Engine(mla, None, "ar", max_batch_size=1, max_seq_len=128)
         fresh.add(0, text, SamplingParams(max_new_tokens=1))
-        torch.testing.assert_close(
-            cache[:, i, : len(text)], mla.latent_storage[:, 0, : len(text)], atol=1e-4, rtol=1e-4
-        )
+        fresh_cache = [layer.self_attn.cache.row(0, len(text)) for layer in mla.model.layers]
+        torch.testing.assert_close(cache[i], fresh_cache, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -517,9 +517,9 @@ def test_ddtree_sampling_matches_ar_on_mla_and_experts():
 
     target = tiny_mla(seed=1, scale=0.25, vocab_size=8, hidden_size=32)
     drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=4), seed=2)
-    ar = Engine(target, None, "ar", max_batch_size=64, max_seq_len=16)
+    # one engine at a time: an engine sets up its target's caches (and slot map) for itself
+    a = emitted_pairs(Engine(target, None, "ar", max_batch_size=64, max_seq_len=16), ROUNDS, 1000, {"temperature": 1.0})
     tree = Engine(target, drafter, "ddtree", 12, max_batch_size=64, max_seq_len=32)
-    a = emitted_pairs(ar, ROUNDS, 1000, {"temperature": 1.0})
     b = emitted_pairs(tree, ROUNDS, 5000, {"temperature": 1.0})
     assert len(a) > 10, "the test needs a spread-out distribution"
     assert chi_square_p_value(a, b) > 1e-3

@@ -161,7 +161,8 @@ def test_kv_compaction_over_many_rounds_equals_fresh_prefill(tiny_target, tiny_d
             emitted[i] += toks
     assert min(len(e) for e in emitted) > 12 + 12, "rounds must have accepted several tokens"
     caches = [
-        (layer.self_attn.kv_cache.k.clone(), layer.self_attn.kv_cache.v.clone()) for layer in tiny_target.model.layers
+        [layer.self_attn.kv_cache.row(i, eng.host_lengths[i]) for i in range(len(PROMPTS))]
+        for layer in tiny_target.model.layers
     ]
     # committed text in the cache = prompt + all emitted tokens but the last (the pending bonus)
     for i, p in enumerate(PROMPTS):
@@ -169,10 +170,11 @@ def test_kv_compaction_over_many_rounds_equals_fresh_prefill(tiny_target, tiny_d
         assert eng.host_lengths[i] == len(text)
         fresh = Engine(tiny_target, None, "ar", max_batch_size=1, max_seq_len=128)
         fresh.add(0, text, SamplingParams(max_new_tokens=1))
-        for (k, v), layer in zip(caches, tiny_target.model.layers):
-            cache, n = layer.self_attn.kv_cache, len(text)
-            torch.testing.assert_close(k[i, :, :n], cache.k[0, :, :n], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(v[i, :, :n], cache.v[0, :, :n], atol=1e-4, rtol=1e-4)
+        for rows, layer in zip(caches, tiny_target.model.layers):
+            k, v = rows[i]
+            fresh_k, fresh_v = layer.self_attn.kv_cache.row(0, len(text))
+            torch.testing.assert_close(k, fresh_k, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v, fresh_v, atol=1e-4, rtol=1e-4)
 
 
 def test_stop_token_and_max_new_tokens_inside_an_accepted_path(tiny_target, tiny_drafter):
@@ -271,12 +273,7 @@ def test_round_plans_cover_every_batch_size():
 
 def drafter_cache(drafter, row, n):
     """Keys and values of the first n drafter cache slots of batch row `row`, every layer."""
-    return torch.stack(
-        [
-            torch.stack([layer.self_attn.kv_cache.k[row, :, :n], layer.self_attn.kv_cache.v[row, :, :n]])
-            for layer in drafter.layers
-        ]
-    )
+    return torch.stack([torch.stack(layer.self_attn.kv_cache.row(row, n)) for layer in drafter.layers])
 
 
 def test_budget_zero_decodes_without_drafting_and_keeps_the_drafter_context(tiny_target, tiny_drafter):

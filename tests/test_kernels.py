@@ -41,12 +41,12 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 # ---- checks, parametrised by device --------------------------------------------------------------
 
 
-def check_qk_norm_rope_kv(device, dtype, rows_given, norm, T, heads, kv_heads, head_dim):
+def check_qk_norm_rope_kv(device, dtype, norm, T, heads, kv_heads, head_dim):
     from ddtree.runtime.kernels import qk_norm_rope_kv
 
     g = torch.Generator().manual_seed(T * 100 + heads * 10 + head_dim)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    bs, max_batch, max_slots = 2, 3, max(12, T + 4)  # room for T distinct slots per sequence
+    bs, pool = 2, 3 * max(12, T + 4)  # room for T distinct slots per sequence
     # q, k, v as views of one fused projection output, as Attention.forward makes them
     qkv = rnd(bs, T, (heads + 2 * kv_heads) * head_dim)
     q, k, v = qkv.view(bs, T, -1, head_dim).split([heads, kv_heads, kv_heads], dim=2)
@@ -54,15 +54,15 @@ def check_qk_norm_rope_kv(device, dtype, rows_given, norm, T, heads, kv_heads, h
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
     qw, kw = (rnd(head_dim), rnd(head_dim)) if norm else (None, None)
-    rows = torch.tensor([2, 1, 0], device=device)[::2] if rows_given else None  # [2, 0], strided
-    # distinct slots per sequence (duplicates would make the reference's index_put order-dependent)
-    slots = torch.stack([torch.randperm(max_slots, generator=g)[:T] for _ in range(bs)]).to(device)
-    ref_cache = KVCache(max_batch, kv_heads, max_slots, head_dim, dtype, device)
+    # distinct physical slots, anywhere in the pool (duplicates would make the reference's index_put
+    # order-dependent)
+    slots = torch.randperm(pool, generator=g)[: bs * T].view(bs, T).to(device)
+    ref_cache = KVCache(kv_heads, pool, head_dim, dtype, device, slot_map=torch.zeros(0, 0, dtype=torch.int32))
     ref_cache.k.copy_(rnd(*ref_cache.k.shape))  # not zeros: slots not addressed must keep these values
     ref_cache.v.copy_(rnd(*ref_cache.v.shape))
     k_cache, v_cache = ref_cache.k.clone(), ref_cache.v.clone()
 
-    out = qk_norm_rope_kv(q, k, v, cos, sin, qw, kw, 1e-6, k_cache, v_cache, rows, slots)
+    out = qk_norm_rope_kv(q, k, v, cos, sin, qw, kw, 1e-6, k_cache, v_cache, slots)
 
     # reference in fp32 from the same inputs (the kernel computes in fp32 and rounds once)
     f = lambda t: t.float()  # noqa: E731
@@ -71,15 +71,15 @@ def check_qk_norm_rope_kv(device, dtype, rows_given, norm, T, heads, kv_heads, h
         qr, kr = F.rms_norm(qr, (head_dim,), f(qw), 1e-6), F.rms_norm(kr, (head_dim,), f(kw), 1e-6)
     qr = apply_rope(qr.transpose(1, 2), f(cos), f(sin))
     kr = apply_rope(kr.transpose(1, 2), f(cos), f(sin))
-    ref_cache.update(slots, kr.to(dtype), v.transpose(1, 2), rows)
+    ref_cache.update(slots, kr.to(dtype), v.transpose(1, 2))
     assert out.shape == (bs, heads, T, head_dim) and out.is_contiguous() and out.dtype == dtype
     torch.testing.assert_close(f(out), qr, **TOL[dtype])
     torch.testing.assert_close(f(k_cache), f(ref_cache.k), **TOL[dtype])
     assert torch.equal(v_cache, ref_cache.v), "v is copied, not computed"
-    # every (row, slot) not written keeps its old value, bit for bit
-    written = torch.zeros(max_batch, max_slots + 1, dtype=torch.bool, device=device)
-    written[(rows if rows_given else torch.arange(bs, device=device))[:, None], slots] = True
-    assert torch.equal(k_cache.transpose(1, 2)[~written], ref_cache.k.transpose(1, 2)[~written])
+    # every slot not written keeps its old value, bit for bit
+    written = torch.zeros(pool + 1, dtype=torch.bool, device=device)
+    written[slots] = True
+    assert torch.equal(k_cache[:, ~written], ref_cache.k[:, ~written])
 
 
 def check_silu_mul(device, dtype, inter):
@@ -175,14 +175,18 @@ def check_add_rms_norm(device, dtype, n):
 
 
 def check_attention(device, dtype, cases):
-    """The chunked attention equals SDPA over the cache rows and span the mask selects."""
+    """The chunked attention equals SDPA over the cache rows and span the mask selects, the rows' slots
+    scattered over the physical pool by a random slot map."""
     from ddtree.runtime.kernels import attention
 
     g = torch.Generator().manual_seed(7)
     for bs, heads, kv_heads, T, hd, span, rows_given, broadcast in cases:
         max_batch, slots = bs + 1, span + 9
-        kc = torch.randn(max_batch, kv_heads, slots, hd, generator=g).to(device, dtype)
-        vc = torch.randn(max_batch, kv_heads, slots, hd, generator=g).to(device, dtype)
+        pool = max_batch * slots + 5
+        kc = torch.randn(kv_heads, pool, hd, generator=g).to(device, dtype)
+        vc = torch.randn(kv_heads, pool, hd, generator=g).to(device, dtype)
+        slot_map = torch.randperm(pool, generator=g)[: max_batch * slots].view(max_batch, slots)
+        slot_map = slot_map.to(device, torch.int32)
         q = torch.randn(bs, heads, T, hd, generator=g).to(device, dtype)
         mask = torch.rand(1 if broadcast else bs, 1, T, span, generator=g) < 0.6
         mask[..., 0] = True  # every query sees a key (as in the engine: itself at least)
@@ -198,12 +202,13 @@ def check_attention(device, dtype, cases):
             tree[b, ..., span // 2 + 3 * b + 5 + T :] = False
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
         for m in (mask.to(device), cut.to(device), tree.to(device)):
-            out = attention(q, kc, vc, m, rows)
+            out = attention(q, kc, vc, slot_map, m, rows)
             sel = rows if rows_given else torch.arange(bs, device=device)
+            table = slot_map[sel, :span]
             ref = F.scaled_dot_product_attention(
                 q.float(),
-                kc[sel, :, :span].float(),
-                vc[sel, :, :span].float(),
+                kc[:, table].transpose(0, 1).float(),
+                vc[:, table].transpose(0, 1).float(),
                 attn_mask=m,
                 enable_gqa=heads != kv_heads,
             )
@@ -230,12 +235,14 @@ def check_mask_extent(device):
 def check_move_slots(device, dtype):
     """One launch moves an accepted path's cache slots as the models' gather-then-scatter `compact` does:
     paths whose slots overlap their destinations, the latent layout (one head, a width past the column
-    block) and rows whose paths differ."""
+    block) and rows whose paths differ, each row's slots scattered over the pool."""
     from ddtree.runtime.kernels import move_slots
 
     g = torch.Generator().manual_seed(7)
     for planes, batch, heads, slots, width, n in ((6, 3, 2, 40, 16, 5), (3, 2, 1, 30, 576, 9), (2, 4, 8, 70, 128, 16)):
-        storage = torch.randn(planes, batch, heads, slots, width, generator=g).to(dtype)
+        pool = batch * slots
+        storage = torch.randn(planes, heads, pool, width, generator=g).to(dtype)
+        slot_map = torch.randperm(pool, generator=g).view(batch, slots)  # disjoint rows
         bs = batch - 1  # the last row is not moved
         lengths = torch.randint(0, slots - 3 * n, (bs, 1), generator=g)
         # a tree path: node indices from the root, non-decreasing, each at least its depth, so that
@@ -243,10 +250,9 @@ def check_move_slots(device, dtype):
         steps = torch.arange(n)
         path = torch.maximum(torch.sort(torch.randint(0, 2 * n, (bs, n), generator=g), dim=1).values, steps)
         path[:, 0] = 0
-        src, dst = lengths + path, lengths + steps
+        src, dst = slot_map[:bs].gather(1, lengths + path), slot_map[:bs].gather(1, lengths + steps)
         want = storage.clone()
-        rows = torch.arange(bs)[:, None]
-        want[:, rows, :, dst] = want[:, rows, :, src]
+        want[:, :, dst] = want[:, :, src]
         got = storage.to(device)
         move_slots(got, src.to(device), dst.to(device))
         assert torch.equal(got.cpu(), want), (planes, batch, heads, slots, width, n)
@@ -394,11 +400,10 @@ QK_CASES = [  # (T, heads, kv_heads, head_dim): decode and verify widths, GQA an
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows_given", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("T,heads,kv_heads,head_dim", QK_CASES)
-def test_qk_norm_rope_kv(dtype, rows_given, norm, T, heads, kv_heads, head_dim):
-    check_qk_norm_rope_kv("cpu", dtype, rows_given, norm, T, heads, kv_heads, head_dim)
+def test_qk_norm_rope_kv(dtype, norm, T, heads, kv_heads, head_dim):
+    check_qk_norm_rope_kv("cpu", dtype, norm, T, heads, kv_heads, head_dim)
 
 
 @interp
@@ -545,7 +550,7 @@ def test_drafter_with_kernels_equals_without():
                 ctx_slots,
             )
         caches = [
-            torch.stack([layer.self_attn.kv_cache.k[:, :, :24], layer.self_attn.kv_cache.v[:, :, :24]])
+            torch.stack([torch.stack(layer.self_attn.kv_cache.row(r, 24)) for r in range(drafter.max_batch)])
             for layer in drafter.layers
         ]
         results.append((out, torch.stack(caches)))
@@ -641,15 +646,14 @@ def test_kernels_compile_for_h200_without_a_gpu():
 
     for dtype in ("bf16", "fp32"):
         for norm in (False, True):
-            for rows in (False, True):
-                for n_heads in (32, 0):  # 0: k and v only (the drafter's context append)
-                    compile_(
-                        K._qk_norm_rope_kv_kernel,
-                        dtype,
-                        dict(rows_ptr="*i64", slots_ptr="*i64", T="i32", eps="fp32"),
-                        dict(N_HEADS=n_heads, HALF=64, BLOCK=64, HAS_NORM=norm, HAS_ROWS=rows),
-                        1,
-                    )
+            for n_heads in (32, 0):  # 0: k and v only (the drafter's context append)
+                compile_(
+                    K._qk_norm_rope_kv_kernel,
+                    dtype,
+                    dict(slots_ptr="*i32", T="i32", eps="fp32"),
+                    dict(N_HEADS=n_heads, HALF=64, BLOCK=64, HAS_NORM=norm),
+                    1,
+                )
         compile_(K._silu_mul_kernel, dtype, dict(inter="i32"), dict(BLOCK=1024), 4)
         for silu_mul in (False, True):
             for even in (False, True):
@@ -701,7 +705,7 @@ def test_kernels_compile_for_h200_without_a_gpu():
         compile_(
             K._move_slots_kernel,
             dtype,
-            dict(src_ptr="*i64", dst_ptr="*i64", n="i32"),
+            dict(src_ptr="*i32", dst_ptr="*i32", n="i32"),
             dict(H=8, D=576, N_PAD=16, BLOCK_D=128),
             4,
         )
@@ -717,6 +721,7 @@ def test_kernels_compile_for_h200_without_a_gpu():
                 K._attention_partial_kernel,
                 dtype,
                 dict(
+                    map_ptr="*i32",
                     mask_ptr="*i8",
                     extent_ptr="*i32",
                     rows_ptr="*i64",
@@ -762,9 +767,8 @@ def test_kernels_compile_for_h200_without_a_gpu():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_kernels_equal_the_reference(dtype):
     for case in QK_CASES + [(17, 32, 8, 128)]:
-        for rows_given in (False, True):
-            for norm in (False, True):
-                check_qk_norm_rope_kv("cuda", dtype, rows_given, norm, *case)
+        for norm in (False, True):
+            check_qk_norm_rope_kv("cuda", dtype, norm, *case)
     for inter in (20, 1500, 12288):
         check_silu_mul("cuda", dtype, inter)
     for n in (48, 300, 4096):

@@ -1,6 +1,6 @@
-"""Prefix reuse: a prompt that starts like text an engine row's caches hold (a released request's, or the
-committed text of a running or prefilling one) prefills only the rest, and generates what a fresh prefill
-does. Rounds leave inactive rows' caches alone, so that a released row keeps its text."""
+"""Prefix reuse through the KV cache's pages: a prompt that starts with whole pages the page index holds (a
+running request's prompt, a finished request's prompt and reply) maps them into its row and prefills only
+the rest, and generates what a fresh prefill does. Rounds leave pages no active row holds alone."""
 
 import copy
 import threading
@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from ddtree.models.random import ByteTokenizer
-from ddtree.runtime.engine import Engine, SamplingParams, shared_prefix
+from ddtree.runtime.engine import Engine, SamplingParams
+from ddtree.runtime.pages import PAGE_SIZE
 from ddtree.serving.metrics import ServerMetrics, read_samples, total
 from ddtree.serving.scheduler import Request, Scheduler
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from test_deepseek_v3 import tiny_mla
 
 G = torch.Generator().manual_seed(3)
-SYSTEM = torch.randint(0, 60, (45,), generator=G).tolist()  # a shared start of several prompts
+SYSTEM = torch.randint(0, 60, (3 * PAGE_SIZE,), generator=G).tolist()  # a shared start of several prompts
 USER_A = torch.randint(0, 60, (9,), generator=G).tolist()
 USER_B = torch.randint(0, 60, (13,), generator=G).tolist()
 OTHER = torch.randint(0, 60, (20,), generator=G).tolist()
@@ -53,14 +54,11 @@ def run(eng: Engine, tokens: dict[int, list[int]], n: int, until: int = 20) -> N
 
 
 def cache_bytes(eng: Engine, row: int, n: int) -> torch.Tensor:
-    """Slots [0, n) of row `row` in the target cache and every drafter layer's."""
-    parts = [eng.target.slot_storage()[:, row, :, :n].flatten()]
+    """Logical slots [0, n) of row `row` in the target cache and every drafter layer's."""
+    parts = [eng.target.slot_storage()[:, :, eng.target.slot_map[row, :n]].flatten()]
     if eng.drafter is not None:
         for layer in eng.drafter.layers:
-            parts += [
-                layer.self_attn.kv_cache.k[row, :, :n].flatten(),
-                layer.self_attn.kv_cache.v[row, :, :n].flatten(),
-            ]
+            parts += [t.flatten() for t in layer.self_attn.kv_cache.row(row, n)]
     return torch.cat(parts).clone()
 
 
@@ -77,30 +75,32 @@ def assert_caches_as_fresh(eng: Engine, row: int, prompt: list[int]) -> None:
 
 
 @pytest.mark.parametrize("method,budget", METHODS)
-def test_a_released_row_keeps_its_text_through_other_rows_rounds_and_reuses_it(
-    tiny_target, tiny_drafter, method, budget
-):
-    """Request A runs in row 0 and is released; row 1 then runs rounds over both rows (row 0 idle and
-    inside them), which leave row 0's cached text as it was. Request B, sharing A's system prompt, goes
-    into row 0 reusing those 45 tokens; request C, the next turn of A's conversation (A's prompt, its reply
-    and a new message), reuses A's prompt and reply. Both generate what they generate alone."""
+def test_a_released_requests_pages_survive_other_rows_rounds_and_are_reused(tiny_target, tiny_drafter, method, budget):
+    """Request A runs in row 0 and is released; its full pages stay indexed. Row 1 then runs rounds over
+    both rows (row 0 idle and inside them), which leave A's pages as they were. Request B, sharing A's
+    system prompt, goes into row 0 reusing its 3 pages; request C, the next turn of B's conversation (B's
+    prompt, its reply and a new message), reuses B's prompt and reply. Both generate what they generate
+    alone."""
     eng = make(tiny_target, tiny_drafter, method, budget)
     prompt_a = SYSTEM + USER_A
     reused, got = start(eng, 0, prompt_a)
     assert reused == 0
     run(eng, {0: got}, 1)
     reply = got[:20]
+    pages, held = list(eng.row_pages[0]), eng.cached_text(0)
     eng.release(0)
-    held = eng.retained[0]
-    assert held[: len(prompt_a)] == prompt_a and len(held) >= len(prompt_a)
-    before = cache_bytes(eng, 0, len(held))
+    indexed = eng.page_pool.match(held)
+    assert held[: len(prompt_a)] == prompt_a and indexed == pages[: len(held) // PAGE_SIZE]
+    storage = eng.target.slot_storage()
+    slots = torch.tensor([p * PAGE_SIZE + i for p in indexed for i in range(PAGE_SIZE)])
+    before = storage[:, :, slots].clone()
     _, other = start(eng, 1, OTHER)
     run(eng, {1: other}, 2)
-    assert torch.equal(cache_bytes(eng, 0, len(held)), before)
+    assert torch.equal(storage[:, :, slots], before)
     eng.release(1)
 
     reused, got_b = start(eng, 0, SYSTEM + USER_B)
-    assert reused == len(SYSTEM)
+    assert reused == len(SYSTEM) and eng.row_pages[0][:3] == pages[:3]
     assert_caches_as_fresh(eng, 0, SYSTEM + USER_B)
     run(eng, {0: got_b}, 1)
     assert got_b[:20] == alone(tiny_target, tiny_drafter, method, budget, SYSTEM + USER_B)
@@ -108,8 +108,8 @@ def test_a_released_row_keeps_its_text_through_other_rows_rounds_and_reuses_it(
 
     turn = SYSTEM + USER_B + got_b[:20] + USER_A
     reused, got_c = start(eng, 0, turn)
-    # the reply's tokens whose keys are in both caches (all but the last round's, for a drafter)
-    assert len(SYSTEM + USER_B) < reused <= len(SYSTEM + USER_B) + 19
+    # whole pages of the reply's tokens whose keys are in both caches (all but the last round's, for a drafter)
+    assert len(SYSTEM + USER_B) < reused <= len(SYSTEM + USER_B) + 19 and reused % PAGE_SIZE == 0
     assert_caches_as_fresh(eng, 0, turn)
     run(eng, {0: got_c}, 1)
     assert got_c[:20] == alone(tiny_target, tiny_drafter, method, budget, turn)
@@ -117,23 +117,26 @@ def test_a_released_row_keeps_its_text_through_other_rows_rounds_and_reuses_it(
 
 
 @pytest.mark.parametrize("method,budget", METHODS)
-def test_a_prefix_is_copied_from_a_running_row(tiny_target, tiny_drafter, method, budget):
-    """B starts while A, with the same system prompt, is generating in another row: B's row gets the
-    shared slots copied from A's, and both generate what they generate alone."""
+def test_a_running_requests_prompt_pages_are_shared(tiny_target, tiny_drafter, method, budget):
+    """B starts while A, with the same system prompt, is generating in another row: B's row maps A's
+    prompt pages (held by both, stored once), and both generate what they generate alone."""
     eng = make(tiny_target, tiny_drafter, method, budget)
     _, got_a = start(eng, 0, SYSTEM + USER_A)
     eng.step(1)
     got_a += eng.texts[0][len(SYSTEM + USER_A) + 1 :]
+    used = eng.page_pool.used
     reused, got_b = start(eng, 2, SYSTEM + USER_B)
-    assert reused == len(SYSTEM)
+    assert reused == len(SYSTEM) and eng.row_pages[2][:3] == eng.row_pages[0][:3]
+    assert eng.page_pool.used == used + eng.request_pages(SYSTEM + USER_B, SP) - 3
+    assert all(eng.page_pool.refs[p] == 2 for p in eng.row_pages[0][:3])
     assert_caches_as_fresh(eng, 2, SYSTEM + USER_B)
     run(eng, {0: got_a, 2: got_b}, 3)
     assert got_a[:20] == alone(tiny_target, tiny_drafter, method, budget, SYSTEM + USER_A)
     assert got_b[:20] == alone(tiny_target, tiny_drafter, method, budget, SYSTEM + USER_B)
 
 
-def test_mla_latents_are_copied_and_reused():
-    """The same on the DeepSeek-V3 family's latent cache: a copied prefix generates what a fresh one does."""
+def test_mla_latent_pages_are_shared():
+    """The same on the DeepSeek-V3 family's latent cache: a shared prefix generates what a fresh one does."""
     mla = tiny_mla()
     drafter = init_drafter(DrafterConfig.for_target(mla.config, num_layers=1, block_size=8), seed=0)
     eng = make(mla, drafter, "ddtree", 8, rows=2)
@@ -145,25 +148,25 @@ def test_mla_latents_are_copied_and_reused():
     assert got_b[:20] == alone(mla, drafter, "ddtree", 8, SYSTEM + USER_B)
 
 
-def test_whole_prompt_held_still_prefills_its_last_token(tiny_target, tiny_drafter):
-    """A prompt the caches hold whole reuses all but its last token, whose forward gives the first token;
-    without reuse nothing is reused."""
+def test_a_whole_prompt_held_still_prefills_its_last_page(tiny_target, tiny_drafter):
+    """A prompt the index holds whole reuses its pages short of the one with its last token, whose forward
+    gives the first token; without reuse nothing is reused."""
     eng = make(tiny_target, tiny_drafter, "ddtree", 8)
     for row, prompt in ((0, OTHER), (1, SYSTEM), (2, USER_A)):
         start(eng, row, prompt)
     for row in (1, 0, 2):
         eng.release(row)
-    assert eng.begin(2, SYSTEM, SP, reuse=False) == 0 and eng.retained[2] == []
+    assert eng.begin(2, SYSTEM, SP, reuse=False) == 0
     eng.release(2)
     reused, got = start(eng, 2, SYSTEM)
-    assert reused == len(SYSTEM) - 1
+    assert reused == len(SYSTEM) - PAGE_SIZE
     run(eng, {2: got}, 3)
     assert got[:20] == alone(tiny_target, tiny_drafter, "ddtree", 8, SYSTEM)
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_scheduler_counts_reused_prompt_tokens(tiny_target, tiny_drafter, prefix_cache):
-    """Two requests one after the other with the same 45-token system prompt: the second prefills only its
+    """Two requests one after the other with the same 48-token system prompt: the second prefills only its
     own part (ddtree_prefix_cache_hit_tokens), and both return what they return alone."""
     eng = make(tiny_target, tiny_drafter, "ddtree", 8, rows=2)
     metrics = ServerMetrics("test")
@@ -182,16 +185,6 @@ def test_scheduler_counts_reused_prompt_tokens(tiny_target, tiny_drafter, prefix
     assert total(samples, "ddtree_prefix_cache_hit_tokens_total") == (len(SYSTEM) if prefix_cache else 0)
     for req, user in zip(reqs, (USER_A, USER_B)):
         assert req.token_ids == alone(tiny_target, tiny_drafter, "ddtree", 8, SYSTEM + user)
-
-
-def test_shared_prefix_counts_the_leading_tokens_two_texts_share():
-    rng = torch.Generator().manual_seed(0)
-    for _ in range(300):
-        a = torch.randint(0, 3, (int(torch.randint(0, 700, (), generator=rng)),), generator=rng).tolist()
-        cut = int(torch.randint(0, len(a) + 1, (), generator=rng))
-        b = a[:cut] + torch.randint(0, 3, (int(torch.randint(0, 300, (), generator=rng)),), generator=rng).tolist()
-        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert shared_prefix(a, b) == shared_prefix(b, a) == want
 
 
 @pytest.mark.parametrize("method,budget", METHODS)
@@ -241,16 +234,16 @@ def test_random_admissions_with_reuse_generate_what_each_prompt_generates_alone(
         rows[row] = (prompt, want, [first])
     while rows:
         round_and_release()
-    assert len(done) == 12 and reused > 12 * 10
+    assert len(done) == 12 and reused >= 12 * PAGE_SIZE
     for prompt, want, tokens in done:
         assert tokens[:want] == alone(
             tiny_target, tiny_drafter, method, budget, prompt, SamplingParams(max_new_tokens=want)
         )
 
 
-def test_a_prefix_held_by_a_higher_row_is_copied_into_the_lowest_free_row(tiny_target, tiny_drafter):
-    """Rounds run rows [0, highest running + 1): a lone request whose prompt start only row 2 holds goes into
-    row 0 with that start copied, and its rounds run on one row, not three."""
+def test_a_prefix_last_held_by_a_higher_row_is_reused_in_the_lowest_free_row(tiny_target, tiny_drafter):
+    """Rounds run rows [0, highest running + 1): a lone request whose prompt start only row 2 held goes into
+    row 0 with those pages, and its rounds run on one row, not three."""
 
     class Rounds(Engine):
         def step(self, n, budget=None):
@@ -275,3 +268,47 @@ def test_a_prefix_held_by_a_higher_row_is_copied_into_the_lowest_free_row(tiny_t
     assert total(read_samples(metrics.render()[0].decode()), "ddtree_prefix_cache_hit_tokens_total") == len(SYSTEM)
     assert eng.sizes and set(eng.sizes) == {1}
     assert req.token_ids == alone(tiny_target, tiny_drafter, "ddtree", 8, SYSTEM + USER_B)
+
+
+def test_a_small_pool_admits_by_pages_shares_prefixes_and_refuses_what_never_fits(tiny_target, tiny_drafter):
+    """A pool of 10 pages under three rows: requests of 6 pages that share a 3-page system prompt run two at
+    a time (3 shared + 3 + 3), the others wait for pages rather than rows; finished requests' pages are
+    evicted for new ones. All five return what they return alone, and a request within the context but
+    larger than the whole pool gets a 400 without disturbing them."""
+    eng = make(tiny_target, tiny_drafter, "ddtree", 8, kv_cache_tokens=10 * PAGE_SIZE)
+    huge_prompt = (SYSTEM * 3)[:135]
+    assert eng.page_pool.pages == 10 and eng.request_pages(SYSTEM + USER_B, SP) == 6
+    assert eng.request_pages(huge_prompt, SP) > 10 and len(huge_prompt) + SP.max_new_tokens <= eng.max_seq_len
+    metrics = ServerMetrics("test")
+    sched = Scheduler(eng, ByteTokenizer(64), metrics, max_waiting=8)
+    prompts = [SYSTEM + u for u in (USER_A, USER_B, OTHER[:11], OTHER[5:15], USER_A[:4])]
+    peak, events, waits = [0], [], []
+    step = eng.step
+
+    def watched(n, budget=None):
+        peak[0] = max(peak[0], eng.page_pool.used)
+        return step(n, budget)
+
+    eng.step = watched
+    sched.start()
+    reqs = []
+    try:
+        for prompt in prompts[:2] + [huge_prompt] + prompts[2:]:
+            done = threading.Event()
+            req = Request(prompt, SP, None, lambda ev: None)
+            req.sink = lambda ev, d=done, r=req: (ev.finish_reason or ev.error) and (events.append((r, ev)), d.set())
+            reqs.append(req)
+            waits.append(done)
+            sched.submit(req)
+        assert all(done.wait(60) for done in waits)
+    finally:
+        sched.stop()
+    huge = reqs.pop(2)
+    errors = [(r, ev) for r, ev in events if ev.error]
+    assert [r for r, _ in errors] == [huge] and errors[0][1].error_status == 400
+    assert "more than the whole KV cache (160 tokens)" in errors[0][1].error
+    assert 9 <= peak[0] <= 10  # two requests at a time, never three
+    hits = total(read_samples(metrics.render()[0].decode()), "ddtree_prefix_cache_hit_tokens_total")
+    assert hits == 4 * len(SYSTEM)  # every request after the first shares the system prompt's pages
+    for req, prompt in zip(reqs, prompts):
+        assert req.token_ids == alone(tiny_target, tiny_drafter, "ddtree", 8, prompt)

@@ -18,6 +18,7 @@ import urllib.request
 
 import pytest
 
+from ddtree.runtime.pages import PagePool
 from ddtree.serving.metrics import ServerMetrics, read_samples, total
 from server_process import MODEL, Server, assert_openai_error, http, metrics
 
@@ -120,6 +121,12 @@ class ScriptedEngine:
         self.gate.set()
 
     budgets = None  # a fixed budget, not auto
+
+    # the KV cache's pages: plenty, none shared
+    page_pool = PagePool(1 << 20)
+
+    def pages_needed(self, prompt, params, reuse=False) -> int:
+        return 0
 
     def plan(self, n):
         from ddtree.runtime.plan import RoundPlan

@@ -18,6 +18,7 @@ from collections import deque
 import pytest
 
 from ddtree.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig
+from ddtree.runtime.pages import PagePool
 from ddtree.serving.prompts import PromptEncoder
 from ddtree.serving.protocol import APIError
 from ddtree.serving.tools import (
@@ -399,6 +400,12 @@ class ScriptedEngine:
 
     max_batch_size, max_seq_len, budget, tree_size, prefill_sizes = 2, 1024, 2, 3, (2048,)
     budgets = None  # a fixed budget, not auto
+
+    # the KV cache's pages: plenty, none shared
+    page_pool = PagePool(1 << 20)
+
+    def pages_needed(self, prompt, params, reuse=False) -> int:
+        return 0
 
     def __init__(self, eos: int):
         self.eos = eos

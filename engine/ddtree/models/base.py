@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .layers import Collectives, rope_cos_sin
+from .layers import Collectives, physical_slots, rope_cos_sin, slot_map_for
 
 
 class CausalLM(nn.Module):
@@ -29,7 +29,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.config = cfg
-        self.max_batch = self.max_slots = 0
+        self.max_batch = self.max_slots = self.pool_slots = 0
+        # [max_batch, max_slots + 1] int32: the physical cache slot of each row's logical slot (setup_caches)
+        self.slot_map = torch.zeros(0, 0, dtype=torch.int32)
         self.tp: Collectives | None = None  # set once sharded
         # the modules' implementation: "reference" as built; ddtree.runtime.fused swaps in "torch" (fused
         # GEMMs) or "triton" (fused GEMMs and Triton kernels) for inference, once, at load
@@ -43,7 +45,19 @@ class CausalLM(nn.Module):
 
     @property
     def trash_slot(self) -> int:
+        """The logical slot padded tokens write to (every row's maps to the physical trash slot)."""
         return self.max_slots
+
+    def setup_slot_map(self, max_batch: int, max_slots: int, pool_slots: int | None, slot_map: Tensor | None) -> int:
+        """Record the cache's sizes and slot map for setup_caches (layers.slot_map_for); returns the
+        physical slots to allocate."""
+        self.slot_map, pool_slots = slot_map_for(max_batch, max_slots, pool_slots, slot_map, self.lm_head.weight.device)
+        self.max_batch, self.max_slots, self.pool_slots = max_batch, max_slots, pool_slots
+        return pool_slots
+
+    def physical_slots(self, slots: Tensor, rows: Tensor | None = None) -> Tensor:
+        """The physical cache slots [bs, T] of logical slots [bs, T] of rows `rows` (default 0..bs-1)."""
+        return physical_slots(self.slot_map, slots, rows)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin of the RoPE positions, shared by the layers."""
@@ -74,7 +88,8 @@ class CausalLM(nn.Module):
         rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """tokens, positions, slots: [bs, T]; mask: [bs, 1, T, span] bool over cache slots;
-        rows: the cache rows of the batch entries (default 0..bs-1).
+        rows: the cache rows of the batch entries (default 0..bs-1). Slots are logical (a row's own
+        numbering, slot = position for committed text); the layers write at the physical slots they map to.
 
         Returns (logits [bs, T, V] or the final normed hidden states, taps [bs, T, len(taps)*H] or None),
         where tap l is the output of decoder layer l (0-based), of the last layer after the final norm:
@@ -82,6 +97,7 @@ class CausalLM(nn.Module):
         """
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
+        slots = self.physical_slots(slots, rows)
         layers, taps = self.model.layers, {}
         if not layers:
             return (self.logits(self.model.norm(x)) if logits else self.model.norm(x)), None

@@ -15,7 +15,7 @@ are rotated, i.e. the dims are de-interleaved, evens then odds, before a rotate-
 
 The latent KV cache keeps, per layer and token, only [normed compressed kv | rotated RoPE key]
 (kv_lora_rank + qk_rope_head_dim values: 576 for DeepSeek-V3 and Kimi K2, against 2 x 64 heads x 128 for
-expanded keys and values), every layer in one buffer [layers, batch, slots + 1, 576], so that compaction is
+expanded keys and values), every layer in one buffer [layers, physical slots + 1, 576], so that compaction is
 one gather and one scatter. Attention is computed in the absorbed form for every forward (prefill, decode,
 tree verify): kv_b_proj's key part is folded into the query (q_nope @ W_uk per head gives a kv_lora_rank
 query), so each head attends straight over the cached latents (one shared "KV head" of 576 dims whose values
@@ -414,28 +414,30 @@ class ModelConfig:
 
 
 class LatentCache(nn.Module):
-    """One layer's static latent KV cache [max_batch, max_slots + 1, kv_lora_rank + qk_rope_head_dim]: per
-    token the normed compressed kv, then the rotated RoPE key. The last slot is the trash slot (padding
-    writes there; no mask shows it). `storage` is this layer's view of the target's all-layer buffer."""
+    """One layer's latent KV cache [pool_slots + 1, kv_lora_rank + qk_rope_head_dim] in physical slots: per
+    token the normed compressed kv, then the rotated RoPE key. Rows reach their slots through the model's
+    `slot_map` (as layers.KVCache). The last slot is the trash slot (padding writes there; no mask shows
+    it). `storage` is this layer's view of the target's all-layer buffer."""
 
     latent: Tensor  # a buffer, declared for the type checker
 
-    def __init__(self, storage: Tensor):
+    def __init__(self, storage: Tensor, slot_map: Tensor):
         super().__init__()
         self.register_buffer("latent", storage, persistent=False)
+        self.slot_map = slot_map
 
-    @property
-    def trash_slot(self) -> int:
-        return self.latent.shape[1] - 1
-
-    def update(self, slots: Tensor, latent: Tensor, rows: Tensor | None = None) -> None:
-        """Write latent [bs, T, dim] at per-sequence slots [bs, T] of cache rows `rows` (default 0..bs-1)."""
-        index = torch.arange(slots.shape[0], device=slots.device) if rows is None else rows
-        self.latent[index[:, None], slots] = latent
+    def update(self, slots: Tensor, latent: Tensor) -> None:
+        """Write latent [bs, T, dim] at physical slots [bs, T]."""
+        self.latent[slots] = latent
 
     def read(self, bs: int, span: int, rows: Tensor | None = None) -> Tensor:
-        """Latents of the first `span` slots [bs, span, dim]: a view for rows 0..bs-1, a gathered copy otherwise."""
-        return self.latent[:bs, :span] if rows is None else self.latent[rows, :span]
+        """Latents [bs, span, dim] of logical slots 0..span-1 of rows `rows` (default 0..bs-1), gathered."""
+        table = (self.slot_map[:bs] if rows is None else self.slot_map[rows])[:, :span]
+        return self.latent[table]
+
+    def row(self, row: int, n: int) -> Tensor:
+        """Latents [n, dim] of row `row`'s logical slots 0..n-1 (a copy)."""
+        return self.latent[self.slot_map[row, :n]]
 
 
 class Attention(StepAttention):
@@ -491,7 +493,7 @@ class Attention(StepAttention):
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_rope = kv.split([self.rank, self.rope], dim=-1)
         k_rope = self._rotate(k_rope[:, None], cos, sin)[:, 0]  # one key shared by the heads
-        self.cache.update(slots, torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1), rows)
+        self.cache.update(slots, torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1))
         w_uk, _ = self._kv_b()
         q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk)
         return torch.cat([q_latent, self._rotate(q_rope.transpose(1, 2), cos, sin)], dim=-1)
@@ -579,7 +581,7 @@ class Transformer(CausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_factor = rope_attention_factor(cfg.rope_scaling)  # YaRN's cos/sin scale
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        self.latent_storage: Tensor | None = None  # [layers, batch, slots + 1, kv_lora_rank + qk_rope_head_dim]
+        self.latent_storage: Tensor | None = None  # [layers, physical slots + 1, kv_lora_rank + qk_rope_head_dim]
 
     def _inv_freq(self) -> Tensor:
         cfg = self.config
@@ -623,18 +625,20 @@ class Transformer(CausalLM):
         """The one buffer holding every layer's cache (None before setup_caches)."""
         return self.latent_storage
 
-    def setup_caches(self, max_batch: int, max_slots: int) -> None:
+    def setup_caches(
+        self, max_batch: int, max_slots: int, pool_slots: int | None = None, slot_map: Tensor | None = None
+    ) -> None:
         p = self.lm_head.weight
         self.inv_freq = self._inv_freq().to(p.device)  # recomputed: Module.to(dtype) would have rounded it
         self.latent_storage = None  # free the old cache before allocating the new one
         for layer in self.model.layers:
             layer.self_attn.cache = None
+        pool_slots = self.setup_slot_map(max_batch, max_slots, pool_slots, slot_map)
         self.latent_storage = torch.zeros(
-            len(self.model.layers), max_batch, max_slots + 1, self.config.latent_dim, dtype=p.dtype, device=p.device
+            len(self.model.layers), pool_slots + 1, self.config.latent_dim, dtype=p.dtype, device=p.device
         )
         for i, layer in enumerate(self.model.layers):  # indexing, not unbind: its views can't be written under autograd
-            layer.self_attn.cache = LatentCache(self.latent_storage[i])
-        self.max_batch, self.max_slots = max_batch, max_slots
+            layer.self_attn.cache = LatentCache(self.latent_storage[i], self.slot_map)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(self.inv_freq, positions, self.lm_head.weight.dtype, self.rope_factor)
@@ -653,13 +657,13 @@ class Transformer(CausalLM):
         return names
 
     def compact(self, src: Tensor, dst: Tensor) -> None:
-        """Copy cache slots src [bs, n] to dst [bs, n] in every layer (an accepted tree path moves to the
-        committed text): one gather and one scatter over the latent cache of all layers."""
-        rows = torch.arange(src.shape[0], device=src.device)[:, None]
-        moved = self.latent_storage[:, rows, src]  # a copy first: dst and src overlap
-        self.latent_storage[:, rows, dst] = moved
+        """Copy logical cache slots src [bs, n] of rows 0..bs-1 to dst [bs, n] in every layer (an accepted
+        tree path moves to the committed text): one gather and one scatter over all layers' latents."""
+        src, dst = self.physical_slots(src), self.physical_slots(dst)
+        moved = self.latent_storage[:, src]  # a copy first: dst and src overlap
+        self.latent_storage[:, dst] = moved
 
     def slot_storage(self) -> Tensor:
-        """The whole cache as [layers, max_batch, 1, slots + 1, latent_dim], what compact moves slots of
+        """The whole cache as [layers, 1, physical slots, latent_dim], what compact moves slots of
         (kernels.move_slots)."""
-        return self.latent_storage.unsqueeze(2)
+        return self.latent_storage.unsqueeze(1)

@@ -1,4 +1,4 @@
-"""Layers shared by the model families and the drafter: RoPE, RMSNorm, the static KV cache, the gated MLP."""
+"""Layers shared by the model families and the drafter: RoPE, RMSNorm, the slot-mapped KV cache, the gated MLP."""
 
 from __future__ import annotations
 
@@ -141,46 +141,92 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
-class KVCache(nn.Module):
-    """Static per-layer cache [max_batch, kv_heads, max_slots + 1, head_dim].
+PAGE_SIZE = 16  # cache slots per page (runtime/pages.py): the unit of sharing and of allocation
 
-    The extra last slot is a trash slot: padded tokens write there and no mask ever shows it.
-    `storage` [2, max_batch, kv_heads, max_slots + 1, head_dim], when given, is where k and v live
-    (the target keeps all layers in one buffer so that compaction is one gather, not one per layer).
+
+def identity_slot_map(max_batch: int, max_slots: int, device=None) -> Tensor:
+    """The slot map of a cache that gives every row its own `max_slots` slots: row r's slot s is physical
+    slot r * max_slots + s, and every row's logical trash slot (max_slots) the shared physical trash slot,
+    max_batch * max_slots (the last one)."""
+    table = torch.arange(max_batch * (max_slots + 1), dtype=torch.int32, device=device).view(max_batch, -1)
+    table = table - torch.arange(max_batch, dtype=torch.int32, device=device)[:, None]  # r * max_slots + s
+    table[:, max_slots] = max_batch * max_slots
+    return table
+
+
+def slot_map_for(
+    max_batch: int, max_slots: int, pool_slots: int | None, slot_map: Tensor | None, device
+) -> tuple[Tensor, int]:
+    """(the slot map, the physical slots to allocate, the trash slot on top) of a cache of max_batch rows of
+    max_slots logical slots. Without a pool size every row gets max_slots slots of its own
+    (identity_slot_map); with one, the map starts with every slot at the trash slot, for the caller to fill
+    (runtime.pages). A given `slot_map` (another model's: the drafter shares the target's) is used as is."""
+    if pool_slots is None:
+        pool_slots = max_batch * max_slots
+        table = identity_slot_map(max_batch, max_slots, device)
+    else:
+        table = torch.full((max_batch, max_slots + 1), pool_slots, dtype=torch.int32, device=device)
+    if slot_map is not None:
+        assert slot_map.shape == table.shape, f"slot map {tuple(slot_map.shape)} is not {tuple(table.shape)}"
+        table = slot_map
+    return table, pool_slots
+
+
+def physical_slots(slot_map: Tensor, slots: Tensor, rows: Tensor | None = None) -> Tensor:
+    """The physical cache slots [bs, T] (int32) of logical slots [bs, T] of rows `rows` (default 0..bs-1)."""
+    table = slot_map[: slots.shape[0]] if rows is None else slot_map[rows]
+    return table.gather(1, slots.long())
+
+
+class KVCache(nn.Module):
+    """One layer's keys and values [kv_heads, pool_slots + 1, head_dim] in physical slots, shared by the rows.
+
+    `slot_map` [max_batch, max_slots + 1] int32 (the model's, shared by its layers) says which physical slot
+    each row's logical slot is: the model turns a forward's logical slots into physical ones once
+    (CausalLM.physical_slots) and writes there; reads go through the map (the Triton attention reads it
+    itself). The last physical slot is the trash slot: padded tokens write there and no mask ever shows it.
+    `storage` [2, kv_heads, pool_slots + 1, head_dim], when given, is where k and v live (the target keeps
+    all layers in one buffer so that compaction is one launch, not one per layer).
     """
 
     k: Tensor  # buffers, declared for the type checker (register_buffer does not declare them)
     v: Tensor
 
     def __init__(
-        self, max_batch: int, kv_heads: int, max_slots: int, head_dim: int, dtype, device, storage: Tensor | None = None
+        self,
+        kv_heads: int,
+        pool_slots: int,
+        head_dim: int,
+        dtype,
+        device,
+        slot_map: Tensor,
+        storage: Tensor | None = None,
     ):
         super().__init__()
-        shape = (max_batch, kv_heads, max_slots + 1, head_dim)
+        shape = (kv_heads, pool_slots + 1, head_dim)
         if storage is None:
             storage = torch.zeros((2, *shape), dtype=dtype, device=device)
         assert storage.shape == (2, *shape), f"cache storage {tuple(storage.shape)} is not {(2, *shape)}"
         self.register_buffer("k", storage[0], persistent=False)
         self.register_buffer("v", storage[1], persistent=False)
+        self.slot_map = slot_map
 
-    @property
-    def trash_slot(self) -> int:
-        return self.k.shape[2] - 1
-
-    def update(self, slots: Tensor, k: Tensor, v: Tensor, rows: Tensor | None = None) -> None:
-        """Write k, v [bs, kv_heads, T, hd] at per-sequence slots [bs, T] of cache rows `rows`
-        (default 0..bs-1, the decode batch)."""
-        bs = slots.shape[0]
-        index = torch.arange(bs, device=slots.device) if rows is None else rows
-        # advanced indexing on dims 0 and 2 puts the index dims first: [bs, T, heads, hd]
-        self.k[index[:, None], :, slots] = k.transpose(1, 2)
-        self.v[index[:, None], :, slots] = v.transpose(1, 2)
+    def update(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [bs, kv_heads, T, hd] at physical slots [bs, T]."""
+        # advanced indexing on dim 1 keeps the heads first: [heads, bs, T, hd]
+        self.k[:, slots] = k.transpose(0, 1)
+        self.v[:, slots] = v.transpose(0, 1)
 
     def read(self, bs: int, span: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Keys/values of the first `span` slots: a view for rows 0..bs-1, a gathered copy otherwise."""
-        if rows is None:
-            return self.k[:bs, :, :span], self.v[:bs, :, :span]
-        return self.k[rows, :, :span], self.v[rows, :, :span]
+        """Keys/values [bs, kv_heads, span, hd] of logical slots 0..span-1 of rows `rows` (default 0..bs-1),
+        gathered through the slot map."""
+        table = (self.slot_map[:bs] if rows is None else self.slot_map[rows])[:, :span]
+        return self.k[:, table].transpose(0, 1), self.v[:, table].transpose(0, 1)
+
+    def row(self, row: int, n: int) -> tuple[Tensor, Tensor]:
+        """Keys/values [kv_heads, n, hd] of row `row`'s logical slots 0..n-1 (a copy)."""
+        table = self.slot_map[row, :n]
+        return self.k[:, table], self.v[:, table]
 
 
 def concat_views(params: list[Tensor]) -> Tensor:

@@ -118,7 +118,7 @@ class Attention(StepAttention):
         """Normalise and rotate q and k, write k and v at the cache slots; returns q [bs, heads, T, hd]."""
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)
-        self.kv_cache.update(slots, k, v.transpose(1, 2), rows)
+        self.kv_cache.update(slots, k, v.transpose(1, 2))
         return q
 
     def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
@@ -185,7 +185,7 @@ class Transformer(CausalLM):
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
-        self.kv_storage: Tensor | None = None  # [layers, 2 (k, v), batch, kv heads, slots + 1, head dim]
+        self.kv_storage: Tensor | None = None  # [layers, 2 (k, v), kv heads, physical slots + 1, head dim]
 
     def shard_layers(self, tp: Collectives, whole_experts: bool = True) -> None:
         """Keep this rank's heads and MLP columns of every layer (ddtree.runtime.parallel.shard splits the
@@ -197,7 +197,9 @@ class Transformer(CausalLM):
         """The one buffer holding every layer's cache (None before setup_caches)."""
         return self.kv_storage
 
-    def setup_caches(self, max_batch: int, max_slots: int) -> None:
+    def setup_caches(
+        self, max_batch: int, max_slots: int, pool_slots: int | None = None, slot_map: Tensor | None = None
+    ) -> None:
         p = self.lm_head.weight
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
         self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling).to(
@@ -207,21 +209,23 @@ class Transformer(CausalLM):
         self.kv_storage = None  # free the old cache before allocating the new one
         for layer in self.model.layers:
             layer.self_attn.kv_cache = None
+        pool_slots = self.setup_slot_map(max_batch, max_slots, pool_slots, slot_map)
         self.kv_storage = torch.zeros(
-            len(self.model.layers), 2, max_batch, n_kv, max_slots + 1, hd, dtype=p.dtype, device=p.device
+            len(self.model.layers), 2, n_kv, pool_slots + 1, hd, dtype=p.dtype, device=p.device
         )
         for i, layer in enumerate(self.model.layers):  # indexing, not unbind: its views can't be written under autograd
-            layer.self_attn.kv_cache = KVCache(max_batch, n_kv, max_slots, hd, p.dtype, p.device, self.kv_storage[i])
-        self.max_batch, self.max_slots = max_batch, max_slots
+            layer.self_attn.kv_cache = KVCache(
+                n_kv, pool_slots, hd, p.dtype, p.device, self.slot_map, self.kv_storage[i]
+            )
 
     def compact(self, src: Tensor, dst: Tensor) -> None:
-        """Copy cache slots src [bs, n] to dst [bs, n] in every layer (an accepted tree path moves to
-        the committed text): one gather and one scatter over all layers."""
-        rows = torch.arange(src.shape[0], device=src.device)[:, None]
-        moved = self.kv_storage[:, :, rows, :, src]  # a copy first: dst and src overlap
-        self.kv_storage[:, :, rows, :, dst] = moved
+        """Copy logical cache slots src [bs, n] of rows 0..bs-1 to dst [bs, n] in every layer (an accepted
+        tree path moves to the committed text): one gather and one scatter over all layers."""
+        src, dst = self.physical_slots(src), self.physical_slots(dst)
+        moved = self.kv_storage[:, :, :, src]  # a copy first: dst and src overlap
+        self.kv_storage[:, :, :, dst] = moved
 
     def slot_storage(self) -> Tensor:
-        """The whole cache as [planes, max_batch, heads, slots + 1, width] (planes: layers x k/v), what
-        compact moves slots of (kernels.move_slots)."""
+        """The whole cache as [planes, heads, physical slots, width] (planes: layers x k/v), what compact
+        moves slots of (kernels.move_slots)."""
         return self.kv_storage.flatten(0, 1)

@@ -10,8 +10,9 @@ rank, the bytes the engine allocates and says whether they fit:
   every expert's width divided by N); norms, routers (the gate and its fp32 correction bias), RoPE
   frequencies and MLA's q_a / kv_a projections replicated. Multi-token-prediction layers
   (num_nextn_predict_layers) are not loaded, so not counted. A tied LM head is the embedding (0 bytes).
-- the KV caches, allocated up front by setup_caches for max_batch rows of max_context tokens plus the
-  room a round needs past the text (the tree or the drafter's block) and the trash slot: split by KV heads
+- the KV caches, allocated up front by setup_caches as pages for max_batch rows of max_context tokens plus
+  the room a round needs past the text (the tree or the drafter's block), in whole pages of 16 slots, and
+  the trash slot (the engine's default pool; runtime/pages.py): split by KV heads
   for grouped-query attention (2 x kv_heads / N x head_dim per layer and token), replicated for MLA's
   latent cache (kv_lora_rank + qk_rope_head_dim per layer and token, on every rank).
 - a DFlash drafter (its config.json dict): its layers split like the target's when its heads, KV heads,
@@ -54,6 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import DTYPE_NAMES
+from .layers import PAGE_SIZE
 from .quant_config import QuantScheme, parse_quantization
 from .registry import family_for
 
@@ -504,7 +506,7 @@ class MemoryPlan:
     per_rank_bytes: dict[str, int]  # by kind (KINDS)
     kv_bytes_per_token: int  # the target's KV cache per token and sequence, on one rank
     drafter_kv_bytes_per_token: int
-    cache_slots: int  # KV cache slots per sequence: max_context, a round's tree or block, the trash slot
+    cache_slots: int  # KV cache slots per sequence: max_context and a round's tree or block, in whole pages
     max_context_that_fits: int  # the largest max_context at max_batch that fits (0: not even the weights)
     max_position_embeddings: int
     quantization: str | None = None
@@ -629,7 +631,8 @@ def plan_memory(
     drafter_kv_token = drafter.cache_values_per_token * size if drafter is not None and drafts else 0
 
     def per_rank_at(context: int) -> tuple[dict[str, int], dict[str, int], int]:
-        slots = context + max(tree, block) + 1  # Engine.max_slots, plus the trash slot
+        # a row's slots (Engine.max_slots) in whole pages (runtime/pages.py): the engine's default pool
+        slots = -(-(context + max(tree, block)) // PAGE_SIZE) * PAGE_SIZE
         b, vocab = max_batch, target.vocab_size
         gathered = 1 if gpus == 1 else 2 + 1 / gpus  # all_gather_last: its buffer and the reordered copy
         work = {
@@ -644,8 +647,8 @@ def plan_memory(
             work["attention"] = max(work["attention"], b * drafter.heads * block * slots * ATTENTION_BYTES_PER_SCORE)
         kinds = dict.fromkeys(KINDS, 0)
         kinds.update(weights)
-        kinds["kv_cache"] = kv_token * b * slots
-        kinds["drafter_kv_cache"] = drafter_kv_token * b * slots
+        kinds["kv_cache"] = kv_token * (b * slots + 1)  # and the trash slot
+        kinds["drafter_kv_cache"] = drafter_kv_token * (b * slots + 1)
         kinds["workspace"] = sum(work.values())
         kinds["reserve"] = reserve
         return kinds, work, slots

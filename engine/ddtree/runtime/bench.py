@@ -361,6 +361,7 @@ def attention_sweep(device="cuda", context: int = 1200, span: int = 2048) -> lis
     Qwen3-8B geometry (32 query heads, 8 KV heads of 128) for the verify and draft widths at batch 1 and
     16, `context` cached tokens in a `span`-slot graph bucket: per shape, the default's time and the
     fastest configuration's."""
+    from ..models.layers import identity_slot_map
     from . import kernels
 
     heads, kv_heads, hd = 32, 8, 128
@@ -368,14 +369,15 @@ def attention_sweep(device="cuda", context: int = 1200, span: int = 2048) -> lis
     for batch, T in ((1, 9), (1, 16), (1, 33), (16, 9), (16, 16), (16, 33)):
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(batch, heads, T, hd, device=device, dtype=torch.bfloat16, generator=g)
-        k = torch.randn(batch, kv_heads, span + 1, hd, device=device, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(kv_heads, batch * span + 1, hd, device=device, dtype=torch.bfloat16, generator=g)
         v = torch.randn_like(k)
+        slot_map = identity_slot_map(batch, span, device)
         j = torch.arange(span, device=device)
         t = torch.arange(T, device=device)
         mask = (j[None, :] < context) | ((j[None, :] >= context) & (j[None, :] - context <= t[:, None]))
         mask = mask.view(1, 1, T, span).expand(batch, 1, T, span).contiguous()
         extent = kernels.mask_extent(mask)
-        default = partial(kernels.attention, q, k, v, mask, None, extent)
+        default = partial(kernels.attention, q, k, v, slot_map, mask, None, extent)
         reference = default()
         best: dict[str, Any] = {"ms": _device_ms(default), "config": "default"}
         default_ms = best["ms"]

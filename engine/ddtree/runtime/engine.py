@@ -39,6 +39,7 @@ from ..speculative.verify import decide, processed_probs, tree_mask, walk
 from .budget import BudgetController
 from .fused import cache_compactor, tree_builder, use_backend, use_drafter_backend
 from .graphs import default_span_buckets
+from .pages import PAGE_SIZE, OutOfPages, PagePool
 from .plan import (
     AUTO,
     AUTO_BUDGETS,
@@ -61,21 +62,6 @@ SMALLEST_PREFILL = 16
 
 PREFILL_STEP = 128  # above this, prefill sizes grow by this much, not doubling: padding wastes < 128 tokens
 FORECAST_SCALE = 1000  # forecasts travel in the integer readout as thousandths of a token
-
-
-def shared_prefix(a: list[int], b: list[int], step: int = 256) -> int:
-    """How many leading tokens a and b share. Slices of `step` tokens compare at C speed: admission runs
-    this for every engine row, and contexts of 32k tokens held by 64 rows took 0.1 s token by token."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i : i + step] == b[i : i + step]:
-        i += step
-    if i >= n:
-        return n
-    end = min(i + step, n)
-    while i < end and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def prefill_sizes(largest: int) -> tuple[int, ...]:
@@ -139,6 +125,7 @@ class Engine:
         max_seq_len: int = 2048,
         prefill_chunk: int = PREFILL_CHUNK,
         logprobs: bool = False,
+        kv_cache_tokens: int | None = None,
     ):
         if method not in METHODS:
             raise ValueError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
@@ -172,13 +159,19 @@ class Engine:
             use_backend(target, "torch")
         self.build_ddtree = tree_builder(target.backend)  # the Triton heap or the tensorised build
         self.compact = cache_compactor(target)  # the accepted path's cache slots to the committed text
-        target.setup_caches(max_batch_size, self.max_slots)
+        # the caches' pages (runtime/pages.py): by default every row can hold max_seq_len tokens at once
+        row_pages = -(-self.max_slots // PAGE_SIZE)
+        pages = max_batch_size * row_pages if kv_cache_tokens is None else -(-kv_cache_tokens // PAGE_SIZE)
+        self.page_pool = PagePool(pages)
+        self.row_pages: list[list[int]] = [[] for _ in range(max_batch_size)]  # each row's pages, in order
+        target.setup_caches(max_batch_size, self.max_slots, pages * PAGE_SIZE)
+        self.slot_map = target.slot_map  # this engine's; another Engine on the same target replaces it
         self.device = dev = target.lm_head.weight.device
         # pad prefill chunks to the fixed sizes where kernels are compiled per shape (CUDA: Triton, CUDA
         # graphs, cuBLAS selection); on the CPU nothing is, and padding would only add work
         self.fixed_prefill_shapes = dev.type == "cuda"
-        if self.drafter is not None:
-            self.drafter.setup_caches(max_batch_size, self.max_slots)
+        if self.drafter is not None:  # the drafter's context of a row sits at the target's slots of its text
+            self.drafter.setup_caches(max_batch_size, self.max_slots, target.pool_slots, target.slot_map)
             use_drafter_backend(self.drafter, target.backend)  # the target's choice holds for both
         self.mask_token_id = self.drafter.config.mask_token_id if self.drafter else 0
 
@@ -221,11 +214,9 @@ class Engine:
         self.host_sampling = [False] * b
         self.host_active = [False] * b
         self.host_emitted = [0] * b  # tokens each row emitted in its last round (or prefill): override's cut
-        # prefix reuse: each active row's text (prompt and emitted tokens, the last one not yet in the caches),
-        # and what a released row's caches still hold (slots 0.. of both caches, for a later prompt that
-        # starts the same way: begin(reuse=True)); rounds leave inactive rows' caches alone
+        # each active row's text (prompt and emitted tokens, the last one not yet in the caches): its full
+        # pages are indexed for later prompts when the row is released (PagePool.publish)
         self.texts: list[list[int]] = [[] for _ in range(b)]
-        self.retained: list[list[int]] = [[] for _ in range(b)]
 
     # ---- joining and leaving ----------------------------------------------------------------
 
@@ -238,28 +229,82 @@ class Engine:
         return first
 
     def begin(self, row: int, prompt: list[int], params: SamplingParams, reuse: bool = False) -> int:
-        """Claim row `row` for `prompt` (checked here: a ValueError refuses it). The row stays out of the
-        rounds (inactive) until `prefill` has put the whole prompt in the caches.
+        """Claim row `row` for `prompt` (checked here: a ValueError refuses it) and the cache pages its
+        prompt, its new tokens and a round past them can fill. The row stays out of the rounds (inactive)
+        until `prefill` has put the whole prompt in the caches.
 
-        With reuse, the longest start of the prompt that some row's caches already hold (a released row's
-        last text, or the committed text of a running or prefilling one) is not computed again: it stays
-        in place when it is this row's, or is copied from the other row's slots. Returns the prompt tokens
-        reused (at most all but the last, whose forward gives the first token)."""
+        With reuse, the longest run of whole pages at the start of the prompt that the page index holds (a
+        running request's prompt, a finished one's prompt and reply) is mapped into the row, not computed
+        again. Returns the prompt tokens reused (whole pages, short of the last token, whose forward gives
+        the first token). Raises OutOfPages when the pool cannot give the pages (pages_needed says first)."""
         self.check_request(prompt, params)
+        self._own_caches()
         self.release(row)
-        source, shared = self.longest_prefix(prompt, row) if reuse else (row, 0)
-        shared = min(shared, len(prompt) - 1)
+        shared = self._claim(row, prompt, params, reuse)
         job = Prefill(list(prompt), params)
         self.prefills[row] = job
-        self.retained[row] = []  # the prefill overwrites them (what is reused stays below `done`)
-        if shared <= 0:
-            return 0
-        if source != row:
-            self._copy_prefix(source, row, shared)
-        job.done = shared
-        self.lengths[row] = shared
-        self.host_lengths[row] = shared
+        if shared:
+            job.done = shared
+            self.lengths[row] = shared
+            self.host_lengths[row] = shared
         return shared
+
+    def _own_caches(self) -> None:
+        """Set the models' caches up for this engine again when another Engine on the same models has set
+        them up for itself since (tests and benchmarks build several on one model): what the rows held is
+        gone, so every row starts empty."""
+        if self.target.slot_map is self.slot_map:
+            return
+        for row in range(self.max_batch_size):
+            self.prefills.pop(row, None)
+            self.host_active[row] = False
+            self.row_pages[row] = []
+            self.release(row)
+        self.page_pool = PagePool(self.page_pool.pages)
+        self.target.setup_caches(self.max_batch_size, self.max_slots, self.page_pool.pages * PAGE_SIZE)
+        self.slot_map = self.target.slot_map
+        if self.drafter is not None:
+            self.drafter.setup_caches(self.max_batch_size, self.max_slots, self.target.pool_slots, self.slot_map)
+
+    def request_pages(self, prompt: list[int], params: SamplingParams) -> int:
+        """Pages a request holds: its prompt and new tokens, and a round's tree or drafter block past them."""
+        return self.page_pool.pages_for(len(prompt) + params.max_new_tokens + max(self.tree_size, self.block_size))
+
+    def _shared_pages(self, prompt: list[int]) -> list[int]:
+        return self.page_pool.match(prompt[: len(prompt) - 1])
+
+    def pages_needed(self, prompt: list[int], params: SamplingParams, reuse: bool = False) -> int:
+        """Pages that begin() would take out of the available ones: new pages, and shared pages no row
+        holds now (indexed, idle)."""
+        shared = self._shared_pages(prompt) if reuse else []
+        idle = sum(1 for page in shared if self.page_pool.refs[page] == 0)
+        return self.request_pages(prompt, params) - len(shared) + idle
+
+    def _claim(self, row: int, prompt: list[int], params: SamplingParams, reuse: bool) -> int:
+        """Give row `row` its pages (shared ones first) and map its slots to them; returns the tokens shared."""
+        pool = self.page_pool
+        shared = self._shared_pages(prompt) if reuse else []
+        pool.acquire(shared)
+        try:
+            fresh = pool.take(self.request_pages(prompt, params) - len(shared))
+        except OutOfPages:
+            pool.release(shared)
+            raise
+        self.row_pages[row] = shared + fresh
+        self._map_row(row)
+        return len(shared) * PAGE_SIZE
+
+    def _map_row(self, row: int) -> None:
+        """Write row `row`'s slot map (the target's, which the drafter shares): logical slot s is slot s %
+        PAGE_SIZE of its page s // PAGE_SIZE; slots past its pages go to the trash slot."""
+        pages, trash = self.row_pages[row], self.target.pool_slots
+        s = torch.arange(self.max_slots + 1)
+        table = torch.full_like(s, trash)
+        if pages:
+            index = s // PAGE_SIZE
+            held = index < len(pages)
+            table[held] = torch.tensor(pages)[index[held]] * PAGE_SIZE + s[held] % PAGE_SIZE
+        self.target.slot_map[row].copy_(table)
 
     def cached_text(self, row: int) -> list[int]:
         """The tokens whose keys and values are in slots 0.. of row `row`'s target and drafter caches."""
@@ -268,29 +313,7 @@ class Engine:
             staged = self.host_emitted[row] if self.drafter is not None else 0
             return self.texts[row][: self.host_lengths[row] - staged]
         job = self.prefills.get(row)
-        if job is not None:
-            return job.prompt[: job.done]
-        return self.retained[row]
-
-    def longest_prefix(self, prompt: list[int], row: int) -> tuple[int, int]:
-        """(the row whose caches hold the longest start of `prompt`, its length); `row` itself wins ties."""
-        best = (row, shared_prefix(self.cached_text(row), prompt))
-        for other in range(self.max_batch_size):
-            if other != row:
-                n = shared_prefix(self.cached_text(other), prompt)
-                if n > best[1]:
-                    best = (other, n)
-        return best
-
-    def _copy_prefix(self, source: int, row: int, n: int) -> None:
-        """Copy slots [0, n) of row `source` to row `row` in the target cache (every layer) and the drafter's."""
-        storage = self.target.slot_storage()
-        storage[:, row, :, :n] = storage[:, source, :, :n]
-        if self.drafter is not None:
-            for layer in self.drafter.layers:
-                cache = layer.self_attn.kv_cache
-                cache.k[row, :, :n] = cache.k[source, :, :n]
-                cache.v[row, :, :n] = cache.v[source, :, :n]
+        return job.prompt[: job.done] if job is not None else []
 
     @torch.inference_mode()
     def prefill(self, row: int, budget: int) -> int | None:
@@ -314,6 +337,7 @@ class Engine:
         assert hidden is not None
         first = self._start([row], [len(job.prompt)], job.params, hidden[None])[0]
         self.texts[row] = job.prompt + [first]
+        self.page_pool.publish(self.row_pages[row], job.prompt)  # its full pages, for prompts that start alike
         return first
 
     def prefill_span(self, start: int, tokens: int) -> int:
@@ -382,7 +406,6 @@ class Engine:
         for temperature in (0.0, 1.0):
             self._start([0], [1], SamplingParams(temperature=temperature), self._prefill_chunk(0, [0], 0)[None])
         self.release(0)
-        self.retained[0] = []  # what warm-up wrote is no prompt's
         self.warm_up_seconds = time.perf_counter() - start
         return self.warm_up_seconds
 
@@ -393,6 +416,10 @@ class Engine:
         what add() gives for each. `params` holds for every prompt."""
         for prompt in prompts:
             self.check_request(prompt, params)
+        self._own_caches()
+        for row, prompt in zip(rows, prompts):
+            self.release(row)
+            self._claim(row, prompt, params, reuse=False)
         dev, longest = self.device, max(len(p) for p in prompts)
         tokens = torch.tensor([p + [0] * (longest - len(p)) for p in prompts], device=dev)
         n = torch.tensor([len(p) for p in prompts], device=dev)
@@ -410,6 +437,7 @@ class Engine:
         firsts = self._start(rows, [len(p) for p in prompts], params, last)
         for row, prompt, first in zip(rows, prompts, firsts):
             self.texts[row] = list(prompt) + [first]
+            self.page_pool.publish(self.row_pages[row], prompt)
         return firsts
 
     def token_logprobs(self, row: int, tokens: list[int], top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -426,9 +454,13 @@ class Engine:
         return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
     def release(self, row: int) -> None:
-        """Take row `row` out of the rounds. Its caches keep what they hold (cached_text) for begin(reuse=True)."""
-        if self.host_active[row] or row in self.prefills:
-            self.retained[row] = self.cached_text(row)
+        """Take row `row` out of the rounds and give back its pages; the full pages of what they hold
+        (cached_text) stay indexed for begin(reuse=True) until the pool needs them."""
+        if self.row_pages[row]:
+            self.page_pool.publish(self.row_pages[row], self.cached_text(row))
+            self.page_pool.release(self.row_pages[row])
+            self.row_pages[row] = []
+            self._map_row(row)
         self.texts[row] = []
         self.prefills.pop(row, None)
         if self.budgets is not None:
@@ -818,6 +850,12 @@ class Engine:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "
                 f"of {self.max_seq_len} tokens"
+            )
+        if self.request_pages(prompt, params) > self.page_pool.pages:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) needs "
+                f"{self.request_pages(prompt, params) * PAGE_SIZE} cache slots, more than the whole KV cache "
+                f"({self.page_pool.pages * PAGE_SIZE} tokens)"
             )
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")

@@ -147,14 +147,14 @@ class TritonAttention(FusedAttention):
             *norms,
             self.kv_cache.k,
             self.kv_cache.v,
-            rows,
             slots,
         )
 
     def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
         bs, _, T, _ = q.shape
         if self.uses_tree_attention(bs, T):
-            return kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, rows, meta)
+            cache = self.kv_cache
+            return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, rows, meta)
         return super().attend(q, mask, rows, meta)
 
     def output(self, out: Tensor) -> Tensor:
@@ -446,13 +446,11 @@ class TritonDrafterAttention(_Swapped, DrafterAttention):
     def metadata(self, mask: Tensor) -> Tensor | None:
         return kernels.mask_extent(mask)
 
-    def append_context(
-        self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor, rows: Tensor | None = None
-    ) -> None:
+    def append_context(self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor) -> None:
         k, v = self._heads(self.k_proj, ctx, self.n_kv), self._heads(self.v_proj, ctx, self.n_kv)
         w = self.k_norm.weight  # k only: no query heads
         kernels.qk_norm_rope_kv(
-            k[:, :, :0], k, v, *rope_ctx, w, w, self.k_norm.eps, self.kv_cache.k, self.kv_cache.v, rows, ctx_slots
+            k[:, :, :0], k, v, *rope_ctx, w, w, self.k_norm.eps, self.kv_cache.k, self.kv_cache.v, ctx_slots
         )
 
     def rotate_and_cache(self, x: Tensor, rope_blk: tuple[Tensor, Tensor], blk_slots: Tensor) -> Tensor:
@@ -466,12 +464,12 @@ class TritonDrafterAttention(_Swapped, DrafterAttention):
             self.q_norm.eps,
             self.kv_cache.k,
             self.kv_cache.v,
-            None,
             blk_slots,
         )
 
     def attend(self, q: Tensor, mask: Tensor, meta: Tensor | None) -> Tensor:
-        return kernels.attention(q, self.kv_cache.k, self.kv_cache.v, mask, None, meta)
+        cache = self.kv_cache
+        return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, None, meta)
 
 
 def use_drafter_backend(drafter: DFlashDrafter, backend: str) -> None:
@@ -503,7 +501,9 @@ def cache_compactor(target: Transformer) -> Callable[[Tensor, Tensor], None]:
     (kernels.move_slots) when the target runs the Triton backend."""
     if target.backend != "triton":
         return target.compact
-    return lambda src, dst: kernels.move_slots(target.slot_storage(), src, dst)
+    return lambda src, dst: kernels.move_slots(
+        target.slot_storage(), target.physical_slots(src), target.physical_slots(dst)
+    )
 
 
 def tree_builder(backend: str):

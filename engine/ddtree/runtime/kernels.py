@@ -65,7 +65,6 @@ if triton is not None:
         kw_ptr,
         kc_ptr,
         vc_ptr,
-        rows_ptr,
         slots_ptr,
         out_ptr,
         T,
@@ -83,20 +82,16 @@ if triton is not None:
         cos_st,
         sin_sb,
         sin_st,
-        kc_sb,
         kc_sh,
         kc_ss,
-        vc_sb,
         vc_sh,
         vc_ss,
         sl_sb,
         sl_st,
-        rows_s,
         N_HEADS: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
         HAS_NORM: tl.constexpr,
-        HAS_ROWS: tl.constexpr,
     ):
         # one program per (token, head); heads 0..N_HEADS-1 are query heads, the rest KV heads
         tok = tl.program_id(0).to(tl.int64)  # int64: cache offsets can pass 2**31
@@ -126,16 +121,12 @@ if triton is not None:
             x2 = tl.load(src + HALF + d, mask=m, other=0.0).to(tl.float32)
             if HAS_NORM:
                 x1, x2 = _rms_halves(x1, x2, kw_ptr, d, m, HALF, eps)
-            if HAS_ROWS:
-                row = tl.load(rows_ptr + b * rows_s)
-            else:
-                row = b
-            slot = tl.load(slots_ptr + b * sl_sb + t * sl_st)
-            dst = kc_ptr + row * kc_sb + h * kc_sh + slot * kc_ss
+            slot = tl.load(slots_ptr + b * sl_sb + t * sl_st).to(tl.int64)
+            dst = kc_ptr + h * kc_sh + slot * kc_ss
             tl.store(dst + d, (x1 * c1 - x2 * s1).to(kc_ptr.dtype.element_ty), mask=m)
             tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(kc_ptr.dtype.element_ty), mask=m)
             vsrc = v_ptr + b * v_sb + t * v_st + h * v_sh
-            vdst = vc_ptr + row * vc_sb + h * vc_sh + slot * vc_ss
+            vdst = vc_ptr + h * vc_sh + slot * vc_ss
             tl.store(vdst + d, tl.load(vsrc + d, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
             tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
 
@@ -357,6 +348,7 @@ if triton is not None:
         q_ptr,
         k_ptr,
         v_ptr,
+        map_ptr,
         mask_ptr,
         extent_ptr,
         rows_ptr,
@@ -370,12 +362,11 @@ if triton is not None:
         q_sb,
         q_sh,
         q_st,
-        k_sb,
         k_sh,
         k_ss,
-        v_sb,
         v_sh,
         v_ss,
+        map_sb,
         m_sb,
         m_st,
         m_ss,
@@ -423,8 +414,9 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        kbase = k_ptr + row * k_sb + kvh * k_sh
-        vbase = v_ptr + row * v_sb + kvh * v_sh
+        kbase = k_ptr + kvh * k_sh
+        vbase = v_ptr + kvh * v_sh
+        slot_map = map_ptr + row * map_sb  # the row's logical slot j is at physical slot slot_map[j]
         # keys from the last one any query of the sequence sees on are not read (a graph's span bucket
         # is often far longer than the live text): a scalar test, where a test of the mask tile took a
         # reduction over the tile and kept the key loads waiting for the mask (measured slower on an
@@ -434,6 +426,8 @@ if triton is not None:
             if split * CHUNK + n0 < extent:
                 j = split * CHUNK + n0 + j0
                 live = j < extent
+                # the physical slots first: their load overlaps the mask's, and k/v wait on both
+                slot = tl.load(slot_map + j, mask=live, other=0).to(tl.int64)
                 seen = (
                     tl.load(
                         mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
@@ -442,8 +436,8 @@ if triton is not None:
                     )
                     != 0
                 )
-                k = tl.load(kbase + j[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
-                v = tl.load(vbase + j[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+                k = tl.load(kbase + slot[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+                v = tl.load(vbase + slot[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
                 if FP32_DOT:
                     k, v = k.to(tl.float32), v.to(tl.float32)
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -516,7 +510,6 @@ if triton is not None:
         dst_ptr,
         n,
         s_sp,
-        s_sb,
         s_sh,
         s_ss,
         H: tl.constexpr,
@@ -524,17 +517,18 @@ if triton is not None:
         N_PAD: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # program (plane p, row b, head h): slots src[b, :n] -> dst[b, :n], BLOCK_D columns at a time; the
-        # barrier keeps every read of a column block before any write to it (threads share slots)
+        # program (plane p, row b, head h): physical slots src[b, :n] -> dst[b, :n], BLOCK_D columns at a
+        # time; the barrier keeps every read of a column block before any write to it (threads share slots).
+        # Rows hold disjoint slots (but the trash slot, whose contents nobody reads)
         p = tl.program_id(0).to(tl.int64)
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = bh % H
         j = tl.arange(0, N_PAD)
         live = j < n
-        src = tl.load(src_ptr + b * n + j, mask=live, other=0)
-        dst = tl.load(dst_ptr + b * n + j, mask=live, other=0)
-        base = s_ptr + p * s_sp + b * s_sb + h * s_sh
+        src = tl.load(src_ptr + b * n + j, mask=live, other=0).to(tl.int64)
+        dst = tl.load(dst_ptr + b * n + j, mask=live, other=0).to(tl.int64)
+        base = s_ptr + p * s_sp + h * s_sh
         for d0 in tl.static_range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
             m = live[:, None] & (d[None, :] < D)
@@ -562,12 +556,12 @@ if triton is not None:
 
 
 def move_slots(storage: Tensor, src: Tensor, dst: Tensor, block_d: int = 128) -> None:
-    """A model's `compact` in one launch: in every plane (layer, k/v) and head of storage [planes,
-    max_batch, heads, slots, width], copy slots src [bs, n] of rows 0..bs-1 to slots dst [bs, n]. Each
+    """A model's `compact` in one launch: in every plane (layer, k/v) and head of storage [planes, heads,
+    physical slots, width], copy physical slots src [bs, n] to dst [bs, n] (row b's path in row b). Each
     program reads all n slots of its (plane, row, head) before it writes any, since a path's slots and
     their destinations overlap. Where the gather and scatter of advanced indexing took two kernels that
     read the index tensors per element."""
-    planes, _, heads, _, width = storage.shape
+    planes, heads, _, width = storage.shape
     bs, n = src.shape
     assert storage.stride(-1) == 1 and src.shape == dst.shape
     if not bs * n:
@@ -581,7 +575,6 @@ def move_slots(storage: Tensor, src: Tensor, dst: Tensor, block_d: int = 128) ->
         storage.stride(0),
         storage.stride(1),
         storage.stride(2),
-        storage.stride(3),
         H=heads,
         D=width,
         N_PAD=max(2, triton.next_power_of_2(n)),
@@ -612,15 +605,14 @@ def qk_norm_rope_kv(
     eps: float,
     k_cache: Tensor,
     v_cache: Tensor,
-    rows: Tensor | None,
     slots: Tensor,
 ) -> Tensor:
     """q [bs, T, heads, hd], k/v [bs, T, kv_heads, hd] (views of the fused q/k/v GEMM output are fine:
-    only the last dim must be contiguous); cos/sin [bs, T, hd]; caches [max_batch, kv_heads, slots, hd];
-    rows [bs] cache rows (None: 0..bs-1); slots [bs, T].
+    only the last dim must be contiguous); cos/sin [bs, T, hd]; caches [kv_heads, physical slots, hd];
+    slots [bs, T] physical.
 
     Normalises each q/k head (when the weights are given), applies RoPE, writes k and v at
-    cache[row, kv_head, slot] and returns the rotated q as [bs, heads, T, hd] (contiguous)."""
+    cache[kv_head, slot] and returns the rotated q as [bs, heads, T, hd] (contiguous)."""
     bs, T, n_heads, hd = q.shape
     n_kv = k.shape[2]
     assert hd % 2 == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
@@ -641,7 +633,6 @@ def qk_norm_rope_kv(
         k_norm_w if norm else k,  # unused placeholders without the norm
         k_cache,
         v_cache,
-        rows if rows is not None else slots,
         slots,
         out,
         T,
@@ -661,18 +652,14 @@ def qk_norm_rope_kv(
         sin.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
-        k_cache.stride(2),
         v_cache.stride(0),
         v_cache.stride(1),
-        v_cache.stride(2),
         slots.stride(0),
         slots.stride(1),
-        rows.stride(0) if rows is not None else 0,
         N_HEADS=n_heads,
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
         HAS_NORM=norm,
-        HAS_ROWS=rows is not None,
         num_warps=1 if half <= 64 else 2,
     )
     return out
@@ -898,6 +885,7 @@ def attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    slot_map: Tensor,
     mask: Tensor,
     rows: Tensor | None,
     extent: Tensor | None = None,
@@ -909,9 +897,10 @@ def attention(
 ) -> Tensor:
     """Masked attention of a few query tokens over the cache (a verify, the drafter's block).
 
-    q [bs, heads, T, hd]; caches [max_batch, kv_heads, slots, hd] (GQA: heads a multiple of kv_heads);
-    mask [bs, 1, T, span] bool (broadcast strides are fine) says which of the first `span` slots each
-    query sees; rows [bs] cache rows (None: 0..bs-1); extent: mask_extent(mask) (computed here when None).
+    q [bs, heads, T, hd]; caches [kv_heads, physical slots, hd] (GQA: heads a multiple of kv_heads);
+    slot_map [max_batch, logical slots] int32: each cache row's physical slot of each logical slot;
+    mask [bs, 1, T, span] bool (broadcast strides are fine) says which of the first `span` logical slots
+    each query sees; rows [bs] cache rows (None: 0..bs-1); extent: mask_extent(mask) (computed here when None).
     Returns [bs, T, heads * hd], the layout o_proj takes.
 
     SDPA runs a verify with one program per head streaming every key (most SMs idle), and turns the
@@ -921,8 +910,8 @@ def attention(
     read as is. max_rows, block_n (keys per step), num_warps
     and num_stages are tuning knobs, kept as arguments for configuration sweeps."""
     bs, heads, T, hd = q.shape
-    kv_heads, span = k_cache.shape[1], mask.shape[-1]
-    assert heads % kv_heads == 0 and span <= k_cache.shape[2]
+    kv_heads, span = k_cache.shape[0], mask.shape[-1]
+    assert heads % kv_heads == 0 and span <= slot_map.shape[1] and slot_map.stride(1) == 1
     mask = mask.expand(bs, 1, T, span)
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     out = torch.empty(bs, T, heads, hd, dtype=q.dtype, device=q.device)
@@ -943,6 +932,7 @@ def attention(
         q,
         k_cache,
         v_cache,
+        slot_map,
         m8,
         extent,
         rows if rows is not None else m8,
@@ -958,10 +948,9 @@ def attention(
         q.stride(2),
         k_cache.stride(0),
         k_cache.stride(1),
-        k_cache.stride(2),
         v_cache.stride(0),
         v_cache.stride(1),
-        v_cache.stride(2),
+        slot_map.stride(0),
         m8.stride(0),
         m8.stride(2),
         m8.stride(3),

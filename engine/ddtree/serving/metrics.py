@@ -96,7 +96,7 @@ class ServerMetrics:
         ).labels(model=model)
         self.prefix_cache_hit_tokens = counter(
             "ddtree_prefix_cache_hit_tokens",
-            "Prompt tokens not prefilled because an engine row's caches held them (serving.prefix_cache)",
+            "Prompt tokens not prefilled because the KV cache's page index held them (serving.prefix_cache)",
         ).labels(model=model)
         self._requests = counter(
             "ddtree_requests", "Completion requests by HTTP status (499: the client disconnected)", ["model", "status"]
@@ -129,6 +129,10 @@ class ServerMetrics:
         self.kv_cache_usage_ratio = gauge(
             "ddtree_kv_cache_usage_ratio", "Committed tokens of running requests / (max_batch_size x max_seq_len)"
         )
+        self.kv_pages_used = gauge(
+            "ddtree_kv_pages_used", "KV cache pages held by requests (running, or being prefilled)"
+        )
+        self.kv_pages_total = gauge("ddtree_kv_pages_total", "KV cache pages (of 16 tokens) in the pool")
 
         self.acceptance_length = histogram(
             "ddtree_acceptance_length", "Tokens committed per sequence per round, bonus included", ACCEPTANCE_BUCKETS

@@ -2,7 +2,8 @@
 
 One engine thread owns the Engine. Each iteration it
   1. drops cancelled requests (a disconnected client frees its row between rounds),
-  2. admits waiting requests into free rows, lowest row first (`engine.begin`),
+  2. admits waiting requests into free rows, lowest row first, while the KV cache has their pages
+     (`engine.begin`),
   3. prefills at most one chunk's worth of prompt tokens (`engine.prefill`, prefill_chunk tokens, oldest
      admitted request first); a request whose prompt is all in gets its first token and starts running,
   4. runs one round on rows [0, n), n = highest running row + 1 (`engine.step`), and holds the tokens of
@@ -15,10 +16,12 @@ Requests join and leave only between rounds. The sink is called on the engine th
 passes one that forwards to an asyncio queue with `loop.call_soon_threadsafe`, so that the event
 loop never waits on torch.
 
-Memory: the engine allocates every row's KV cache (max_seq_len plus the tree) up front, and a
-request is only accepted when prompt + max_tokens fits its row, so running requests can never
-need more memory. Beyond the rows there is a bounded waiting queue; a full queue is refused
-(QueueFull -> HTTP 429) instead of growing without bound.
+Memory: a request is admitted when a row is free and the KV cache has the pages its prompt, its
+max_tokens and a round past them can fill (less the pages of its prompt's start that the page index
+shares: runtime/pages.py), taken at admission, so running requests never need more memory. Requests
+are admitted in arrival order: one that waits for pages holds back those behind it. Beyond the rows
+there is a bounded waiting queue; a full queue is refused (QueueFull -> HTTP 429) instead of growing
+without bound.
 """
 
 from __future__ import annotations
@@ -260,10 +263,15 @@ class Scheduler:
                     return
                 taken = self._running.keys() | self._prefilling.keys()
                 free = [row for row in range(engine.max_batch_size) if row not in taken]
+                pages = engine.page_pool.available  # admission by free KV cache pages too, in arrival order
                 while free and self._waiting:
-                    req = self._waiting.popleft()
-                    # the lowest free row: a round runs rows [0, highest running + 1), so rows stay packed (a
-                    # prompt start held by a higher row is copied down by begin)
+                    req = self._waiting[0]
+                    need = engine.pages_needed(req.prompt_ids, req.params, self.prefix_cache)
+                    if need > pages and need <= engine.page_pool.pages:  # one that never fits: begin refuses it
+                        break
+                    pages -= need
+                    self._waiting.popleft()
+                    # the lowest free row: a round runs rows [0, highest running + 1), so rows stay packed
                     req.row = free.pop(0)
                     self._free -= 1
                     self._admitting.append(req)
@@ -293,6 +301,8 @@ class Scheduler:
         self._set_load()
         used = sum(engine.host_lengths[row] for row in (*self._running, *self._prefilling))
         self.metrics.kv_cache_usage_ratio.set(used / (engine.max_batch_size * engine.max_seq_len))
+        self.metrics.kv_pages_used.set(engine.page_pool.used)
+        self.metrics.kv_pages_total.set(engine.page_pool.pages)
 
     def _set_load(self) -> None:
         """ddtree_load: rows claimed (requests running, or admitted and about to prefill) plus requests

@@ -32,10 +32,12 @@ from ..models.layers import (
     RMSNorm,
     apply_rope,
     dense_split_sizes,
+    physical_slots,
     rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
     rope_kind,
+    slot_map_for,
 )
 from ..models.llama import ModelConfig
 from .compat import DrafterMismatchError, check_fits, default_target_layer_ids, dflash_value, mask_token_id
@@ -311,10 +313,9 @@ class DrafterAttention(nn.Module):
         """What the layers of one forward share about its mask (none here; see the Triton attention)."""
         return None
 
-    def append_context(
-        self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor, rows: Tensor | None = None
-    ) -> None:
-        self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx), rows)
+    def append_context(self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor) -> None:
+        """Write the context's keys and values at physical slots ctx_slots [bs, P]."""
+        self.kv_cache.update(ctx_slots, *self._kv(ctx, *rope_ctx))
 
     def rotate_and_cache(self, x: Tensor, rope_blk: tuple[Tensor, Tensor], blk_slots: Tensor) -> Tensor:
         """Write the block's keys and values at its cache slots; returns its queries [bs, heads, T, hd]."""
@@ -379,7 +380,8 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("inv_freq", self.rope_inv_freq(), persistent=False)
         # YaRN's factor on cos and sin, as transformers' rotary embedding applies it
         self.rope_factor = rope_attention_factor(cfg.rope_scaling)
-        self.max_batch = self.max_slots = 0
+        self.max_batch = self.max_slots = self.pool_slots = 0
+        self.slot_map = torch.zeros(0, 0, dtype=torch.int32)  # setup_caches
 
     @property
     def block_size(self) -> int:
@@ -392,15 +394,23 @@ class DFlashDrafter(nn.Module):
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(self.inv_freq, positions, dtype, self.rope_factor)
 
-    def setup_caches(self, max_batch: int, max_slots: int) -> None:
+    def setup_caches(
+        self, max_batch: int, max_slots: int, pool_slots: int | None = None, slot_map: Tensor | None = None
+    ) -> None:
+        """Caches of max_batch rows of max_slots logical slots (layers.slot_map_for); the Engine passes the
+        target's pool size and slot map, so that a row's drafter context sits at the physical slots of its
+        target text."""
         p = self.fc.weight
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
         self.inv_freq = self.rope_inv_freq().to(p.device)
         for layer in self.layers:
+            layer.self_attn.kv_cache = None  # free the old cache before allocating the new one
+        self.slot_map, pool_slots = slot_map_for(max_batch, max_slots, pool_slots, slot_map, p.device)
+        for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(  # this rank's KV heads when split
-                max_batch, layer.self_attn.n_kv, max_slots, self.config.head_dim, p.dtype, p.device
+                layer.self_attn.n_kv, pool_slots, self.config.head_dim, p.dtype, p.device, self.slot_map
             )
-        self.max_batch, self.max_slots = max_batch, max_slots
+        self.max_batch, self.max_slots, self.pool_slots = max_batch, max_slots, pool_slots
 
     def forward(
         self,
@@ -418,8 +428,10 @@ class DFlashDrafter(nn.Module):
         block (the causal and windowed layers narrow it, layer_mask). Returns normed hidden states [bs, BS, H]."""
         dtype = block_embeds.dtype
         rope_blk = self.rope(block_positions, dtype)
+        block_slots = physical_slots(self.slot_map, block_slots)  # the layers write at physical slots
         ctx = rope_ctx = None
         if ctx_features is not None:
+            ctx_slots = physical_slots(self.slot_map, ctx_slots)
             ctx = self.hidden_norm(self.fc(ctx_features))
             rope_ctx = self.rope(ctx_positions, dtype)
         scale = self.config.input_embedding_scale
@@ -476,8 +488,9 @@ class DFlashDrafter(nn.Module):
         context K/V depend only on the fused features, never on the block)."""
         ctx = self.hidden_norm(self.fc(ctx_features))
         rope_ctx = self.rope(positions, ctx.dtype)
+        slots = physical_slots(self.slot_map, slots, rows)
         for layer in self.layers:
-            layer.self_attn.append_context(ctx, rope_ctx, slots, rows)
+            layer.self_attn.append_context(ctx, rope_ctx, slots)
 
 
 def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
