@@ -42,6 +42,7 @@ DTYPE_NAMES = {
     "fp16": "float16",
 }
 DEFAULT_MAX_SEQ_LEN = 2048  # serve and smoke, when serving.max_seq_len is not set
+PAGE_SIZE = 16  # KV cache slots per page (runtime/pages.py): the unit of sharing and of allocation
 DEFAULT_SMOKE_BUCKETS = (1, 2, 4)  # smoke, when kernels.batch_buckets is not set
 
 

@@ -141,9 +141,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
-PAGE_SIZE = 16  # cache slots per page (runtime/pages.py): the unit of sharing and of allocation
-
-
 def identity_slot_map(max_batch: int, max_slots: int, device=None) -> Tensor:
     """The slot map of a cache that gives every row its own `max_slots` slots: row r's slot s is physical
     slot r * max_slots + s, and every row's logical trash slot (max_slots) the shared physical trash slot,

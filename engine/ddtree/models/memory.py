@@ -54,8 +54,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..config import DTYPE_NAMES
-from .layers import PAGE_SIZE
+from ..config import DTYPE_NAMES, PAGE_SIZE
 from .quant_config import QuantScheme, parse_quantization
 from .registry import family_for
 

@@ -304,6 +304,7 @@ class Engine:
             index = s // PAGE_SIZE
             held = index < len(pages)
             table[held] = torch.tensor(pages)[index[held]] * PAGE_SIZE + s[held] % PAGE_SIZE
+        table[self.max_slots] = trash  # the logical trash slot, even where the last page reaches it
         self.target.slot_map[row].copy_(table)
 
     def cached_text(self, row: int) -> list[int]:

@@ -20,7 +20,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ..models.layers import PAGE_SIZE
+from ..config import PAGE_SIZE
 
 
 class OutOfPages(RuntimeError):
