@@ -422,12 +422,16 @@ if triton is not None:
         # reduction over the tile and kept the key loads waiting for the mask (measured slower on an
         # H200: docs/engine.md, "Fused kernels")
         extent = tl.minimum(tl.load(extent_ptr + b), span)
+        # each step loads the next step's physical slots, so that its key and value loads wait on no
+        # index load of their own
+        j = split * CHUNK + j0
+        slot_next = tl.load(slot_map + j, mask=j < extent, other=0)
         for n0 in range(0, CHUNK, BLOCK_N):
             if split * CHUNK + n0 < extent:
                 j = split * CHUNK + n0 + j0
                 live = j < extent
-                # the physical slots first: their load overlaps the mask's, and k/v wait on both
-                slot = tl.load(slot_map + j, mask=live, other=0).to(tl.int64)
+                slot = slot_next.to(tl.int64)
+                slot_next = tl.load(slot_map + j + BLOCK_N, mask=j + BLOCK_N < extent, other=0)
                 seen = (
                     tl.load(
                         mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
