@@ -37,6 +37,11 @@ def test_defaults():
         ({"serving": {"port": 70000}}, "serving.port must be in 0..65535, got 70000"),
         ({"serving": {"max_batch_size": 0}}, "serving.max_batch_size must be >= 1"),
         ({"serving": {"max_seq_len": 8}}, "serving.max_seq_len must be >= 16"),
+        (
+            {"serving": {"max_seq_len": 4096, "kv_cache_tokens": 4000}},
+            "serving.kv_cache_tokens must hold one request of serving.max_seq_len (4096 tokens), got 4000",
+        ),
+        ({"serving": {"kv_cache_tokens": 2047}}, "serving.kv_cache_tokens must hold one request of"),
         ({"serving": {"max_waiting": -1}}, "serving.max_waiting must be >= 0"),
         ({"serving": {"served_model_name": " "}}, "serving.served_model_name must not be empty"),
         ({"serving": {"port": "80"}}, "serving.port must be an integer"),

@@ -128,12 +128,34 @@ def test_the_plan_is_what_the_engine_allocates(name, with_drafter):
     held = held_bytes(target) | (held_bytes(drafter, drafter=True) if drafter else {})
     assert planned_weights(plan) == held
     assert plan.per_rank_bytes["kv_cache"] == target.cache_storage.nbytes
-    assert plan.cache_slots * engine.max_batch_size == engine.page_pool.pages * PAGE_SIZE >= engine.max_slots
+    assert plan.pool_slots == plan.cache_slots * batch == engine.page_pool.pages * PAGE_SIZE >= engine.max_slots
     assert plan.per_rank_bytes["drafter_kv_cache"] == (drafter_cache_bytes(drafter) if drafter else 0)
     assert plan.workspace["drafter context"] == engine.ctx_features.nbytes
     assert plan.per_rank_bytes["reserve"] == RESERVE_BYTES and plan.fits
     verify_logits = batch * (budget + 1 if drafter else 1) * hf["vocab_size"] * 2  # bf16
     assert plan.workspace["verify logits"] == verify_logits and set(plan.per_rank_bytes) == set(KINDS)
+
+
+def test_a_smaller_page_pool_is_what_the_engine_allocates():
+    """serving.kv_cache_tokens sizes the pool of both caches, in whole pages, whatever the rows and context."""
+    hf, target = tiny("qwen3")
+    drafter = random_drafter(target, layers=2, block_size=8)
+    context, batch, pool = 100, 3, 150  # 10 pages, less than 3 rows of 100 tokens
+    engine = Engine(target, drafter, "ddtree", 5, batch, context, kv_cache_tokens=pool)
+    plan = plan_memory(
+        hf,
+        gpus=1,
+        gpu_memory=B300,
+        max_context=context,
+        max_batch=batch,
+        kv_cache_tokens=pool,
+        drafter_config=drafter.config.to_hf(),
+        budget=5,
+    )
+    assert plan.pool_slots == engine.page_pool.pages * PAGE_SIZE == 160 < plan.cache_slots * batch
+    assert plan.per_rank_bytes["kv_cache"] == target.cache_storage.nbytes
+    assert plan.per_rank_bytes["drafter_kv_cache"] == drafter_cache_bytes(drafter)
+    assert "x a pool of 160 slots" in plan.render()
 
 
 def test_budget_zero_loads_the_drafter_but_gives_it_no_cache():
@@ -321,6 +343,16 @@ def test_plan_command_prints_the_table_and_exits_0_when_it_fits(capsys):
     assert "routed_experts" in out and "kv_cache" in out and "fits: " in out and "262,144" in out
 
 
+def test_plan_command_takes_the_page_pool(capsys):
+    args = ["--model", str(CONFIGS / "kimi-k2.6.json"), "--gpus", "8", "--gpu-memory", "141GiB", "--json"]
+    whole = json.loads(plan_cli(capsys, *args, "--max-context", "65536", "--max-batch", "8")[1])
+    code, out, _ = plan_cli(capsys, *args, "--max-context", "65536", "--max-batch", "8", "--kv-cache-tokens", "131072")
+    pooled = json.loads(out)
+    assert code == 0 and pooled["pool_slots"] == 131072 and whole["pool_slots"] == 8 * whole["cache_slots"]
+    ratio = pooled["per_rank_bytes"]["kv_cache"] / whole["per_rank_bytes"]["kv_cache"]
+    assert abs(ratio - 131072 / whole["pool_slots"]) < 1e-4
+
+
 def test_plan_command_refuses_in_one_line_and_exits_2(capsys, tmp_path):
     folder = tmp_path / "kimi"
     folder.mkdir()
@@ -349,6 +381,10 @@ def test_plan_command_json(capsys, tmp_path):
         (["--model", "/no/such/model", "--gpus", "1", "--gpu-memory", "80GB"], "model not found"),
         (["--model", "random:nope", "--gpus", "1", "--gpu-memory", "80GB"], "unknown random shape"),
         (["--model", "random:tiny", "--gpus", "0", "--gpu-memory", "80GB"], "--gpus must be >= 1"),
+        (
+            ["--model", "random:tiny", "--gpus", "1", "--gpu-memory", "80GB", "--kv-cache-tokens", "0"],
+            "--kv-cache-tokens must be >= 1",
+        ),
     ],
 )
 def test_plan_command_bad_input_is_one_line_exit_2(capsys, args, needle):

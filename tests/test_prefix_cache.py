@@ -282,11 +282,17 @@ def test_a_small_pool_admits_by_pages_shares_prefixes_and_refuses_what_never_fit
     metrics = ServerMetrics("test")
     sched = Scheduler(eng, ByteTokenizer(64), metrics, max_waiting=8)
     prompts = [SYSTEM + u for u in (USER_A, USER_B, OTHER[:11], OTHER[5:15], USER_A[:4])]
-    peak, events, waits = [0], [], []
+    peak, events, waits, ratios = [0], [], [], []
     step = eng.step
+
+    def gauges() -> tuple[float, float, float]:
+        samples = read_samples(metrics.render()[0].decode())
+        names = ("ddtree_kv_cache_usage_ratio", "ddtree_kv_pages_used", "ddtree_kv_pages_total")
+        return tuple(total(samples, name) for name in names)
 
     def watched(n, budget=None):
         peak[0] = max(peak[0], eng.page_pool.used)
+        ratios.append(gauges())  # as the scheduler's last iteration left them
         return step(n, budget)
 
     eng.step = watched
@@ -308,6 +314,8 @@ def test_a_small_pool_admits_by_pages_shares_prefixes_and_refuses_what_never_fit
     assert [r for r, _ in errors] == [huge] and errors[0][1].error_status == 400
     assert "more than the whole KV cache (160 tokens)" in errors[0][1].error
     assert 9 <= peak[0] <= 10  # two requests at a time, never three
+    assert all(ratio == used / 10 and pool == 10 for ratio, used, pool in ratios)
+    assert max(used for _, used, _ in ratios) >= 9 and gauges() == (0, 0, 10)
     hits = total(read_samples(metrics.render()[0].decode()), "ddtree_prefix_cache_hit_tokens_total")
     assert hits == 4 * len(SYSTEM)  # every request after the first shares the system prompt's pages
     for req, prompt in zip(reqs, prompts):

@@ -37,7 +37,8 @@ def drafter_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ddtree_server(drafter_dir, tmp_path_factory):
-    """DDTree (budget 8) with 8 engine rows; the readiness sequence it went through is kept on it."""
+    """DDTree (budget 8) with 8 engine rows sharing a KV page pool of 1024 tokens (less than 8 rows of 192);
+    the readiness sequence it went through is kept on it."""
     log = tmp_path_factory.mktemp("ddtree-server") / "server.log"
     server = Server(
         [
@@ -51,6 +52,8 @@ def ddtree_server(drafter_dir, tmp_path_factory):
             "8",
             "--max-seq-len",
             "192",
+            "--kv-cache-tokens",
+            "1024",
             "--batch-buckets",
             "1,2",
             "--served-model-name",
@@ -383,6 +386,7 @@ def test_ready_is_503_until_the_smoke_test_passed_then_200_with_the_report(ddtre
     assert total(samples, "ddtree_smoke_test_passed", model="smol-ddtree") == 1
     assert total(samples, "ddtree_spec_budget", model="smol-ddtree") == 8
     assert ("ddtree_graph_capture_seconds", (("model", "smol-ddtree"),)) in samples
+    assert total(samples, "ddtree_kv_pages_total", model="smol-ddtree") == 1024 // 16  # --kv-cache-tokens
 
 
 @pytest.mark.slow

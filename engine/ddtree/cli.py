@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--max-context", type=int, help="tokens per sequence (default: its max_position_embeddings)")
     pl.add_argument("--max-batch", type=int, default=1, help="sequences at once (engine rows; default 1)")
+    pl.add_argument(
+        "--kv-cache-tokens", type=int, help="the KV page pool in tokens (default: --max-batch x --max-context)"
+    )
     pl.add_argument("--budget", type=parse_budget, help="DDTree budget, or 1:32,16:8 (the largest sizes the buffers)")
     pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     pl.add_argument("--expert-parallel", type=int, help="1: split every expert's width (default: whole experts)")
@@ -241,6 +244,13 @@ def add_serve_commands(subparsers) -> None:
     )
     p.add_argument(
         "--max-seq-len", type=int, default=UNSET, help="per-request context: prompt + max_tokens (default 2048)"
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=UNSET,
+        help="the KV cache's page pool in tokens, shared by all rows (default: --max-batch-size x --max-seq-len); "
+        "requests are admitted while their pages are free",
     )
     p.add_argument(
         "--prefill-chunk",

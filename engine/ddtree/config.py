@@ -9,8 +9,8 @@ file value). The file uses the field names of the dataclasses, one section per d
     speculation: {method, budget, block_size}
     kernels:     {backend, graphs, batch_buckets}
     parallel:    {tensor_parallel, expert_parallel, replicate_drafter}
-    serving:     {host, port, max_batch_size, max_seq_len, prefill_chunk, prefix_cache, max_waiting,
-                  served_model_name,
+    serving:     {host, port, max_batch_size, max_seq_len, kv_cache_tokens, prefill_chunk, prefix_cache,
+                  max_waiting, served_model_name,
                   termination_log, api_key_file, parse_special_tokens, tool_call_parser, max_logprobs,
                   max_connections,
                   header_timeout, body_timeout, keepalive_timeout}
@@ -101,7 +101,10 @@ class ServingConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 8  # serve's engine rows (generate runs 1, smoke its largest batch bucket)
-    max_seq_len: int | None = None  # KV cache per sequence (default 2048; generate: prompt + max new tokens)
+    max_seq_len: int | None = None  # the most tokens of one request (default 2048; generate: prompt + max new tokens)
+    # the KV cache's page pool, in tokens shared by all rows (default: max_batch_size rows of max_seq_len);
+    # fewer lets long contexts and many short requests share memory: requests are admitted by free pages
+    kv_cache_tokens: int | None = None
     # the most prompt tokens one prefill forward takes, and what a scheduler iteration prefills between two
     # rounds: a long prompt goes in chunks, so running streams keep getting tokens while it is admitted
     prefill_chunk: int = 2048
@@ -164,6 +167,7 @@ FLAGS = {
     "port": "serving.port",
     "max_batch_size": "serving.max_batch_size",
     "max_seq_len": "serving.max_seq_len",
+    "kv_cache_tokens": "serving.kv_cache_tokens",
     "prefill_chunk": "serving.prefill_chunk",
     "no_prefix_cache": "serving.prefix_cache",
     "max_waiting": "serving.max_waiting",
@@ -406,6 +410,11 @@ class EngineConfig:
             raise ConfigError(f"{n('serving.max_batch_size')} must be >= 1, got {v.max_batch_size}")
         if v.max_seq_len is not None and v.max_seq_len < 16:
             raise ConfigError(f"{n('serving.max_seq_len')} must be >= 16, got {v.max_seq_len}")
+        if v.kv_cache_tokens is not None and v.kv_cache_tokens < v.seq_len:
+            raise ConfigError(
+                f"{n('serving.kv_cache_tokens')} must hold one request of {n('serving.max_seq_len')} "
+                f"({v.seq_len} tokens), got {v.kv_cache_tokens}"
+            )
         if v.prefill_chunk < 16 or v.prefill_chunk & (v.prefill_chunk - 1):
             raise ConfigError(f"{n('serving.prefill_chunk')} must be a power of two >= 16, got {v.prefill_chunk}")
         if not 0 <= v.port <= 65535:

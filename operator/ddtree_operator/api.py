@@ -17,6 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
+from ddtree.config import DEFAULT_MAX_SEQ_LEN
+
 GROUP = "ddtree.dev"
 VERSION = "v1alpha1"
 KIND = "SpeculativeDeployment"
@@ -302,13 +304,30 @@ class EngineSpec(_Model):
         default=None,
         ge=16,
         le=16777216,
-        description="KV cache length per sequence, prompt plus generated tokens (`--max-seq-len`); "
+        description="The most tokens of one request, prompt plus generated tokens (`--max-seq-len`); "
         "default: the engine's (2048).",
+    )
+    kv_cache_tokens: int | None = Field(
+        default=None,
+        ge=16,
+        le=1 << 34,
+        description="The KV cache's page pool in tokens, shared by all running requests (`--kv-cache-tokens`): "
+        "requests are admitted while their pages are free, and pages holding the same prompt start are "
+        "shared. Default: maxBatchSize x maxSeqLen, every request at its longest at once. At least maxSeqLen.",
     )
     args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64, description="Extra `ddtree serve` arguments, appended last."
     )
     env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
+    rules: ClassVar = (
+        Rule(
+            cel="!has(self.kvCacheTokens) || self.kvCacheTokens >= "
+            f"(has(self.maxSeqLen) ? self.maxSeqLen : {DEFAULT_MAX_SEQ_LEN})",
+            message=f"spec.engine.kvCacheTokens must be >= spec.engine.maxSeqLen (default {DEFAULT_MAX_SEQ_LEN})",
+            check=lambda e: e.kv_cache_tokens is None or e.kv_cache_tokens >= (e.max_seq_len or DEFAULT_MAX_SEQ_LEN),
+            field_path=".kvCacheTokens",
+        ),
+    )
 
 
 class ParallelismSpec(_Model):

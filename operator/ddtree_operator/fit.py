@@ -74,6 +74,7 @@ class PlanInputs:
     gpu_memory: int
     max_context: int
     max_batch: int
+    kv_cache_tokens: int | None
     dtype: str
     budget: int | None
     expert_parallel: int | None
@@ -134,6 +135,8 @@ def plan_inputs(spec: SpeculativeDeploymentSpec) -> PlanInputs | MemoryCheck:
         max_batch = int(
             engine_flag(args, "--max-batch-size") or spec.engine.max_batch_size or ServingConfig.max_batch_size
         )
+        pool = engine_flag(args, "--kv-cache-tokens")
+        kv_cache_tokens = int(pool) if pool is not None else spec.engine.kv_cache_tokens
         expert = engine_flag(args, "--expert-parallel")
         expert_parallel = int(expert) if expert is not None else spec.parallelism.expert
     except ValueError as exc:
@@ -146,6 +149,7 @@ def plan_inputs(spec: SpeculativeDeploymentSpec) -> PlanInputs | MemoryCheck:
         gpu_memory=parse_size(spec.resources.gpu_memory),
         max_context=max_context,
         max_batch=max_batch,
+        kv_cache_tokens=kv_cache_tokens,
         dtype=engine_flag(args, "--dtype") or DEFAULT_DTYPE,
         budget=_budget(spec),
         expert_parallel=expert_parallel,
@@ -167,6 +171,7 @@ def _plan(inputs: PlanInputs, target: dict[str, Any], drafter: dict[str, Any] | 
         gpu_memory=inputs.gpu_memory,
         max_context=inputs.max_context,
         max_batch=inputs.max_batch,
+        kv_cache_tokens=inputs.kv_cache_tokens,
         dtype=inputs.dtype,
         drafter_config=drafter,
         budget=inputs.budget,

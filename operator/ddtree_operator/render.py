@@ -235,6 +235,8 @@ def engine_config(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
         serving["max_batch_size"] = spec.engine.max_batch_size
     if spec.engine.max_seq_len is not None:
         serving["max_seq_len"] = spec.engine.max_seq_len
+    if spec.engine.kv_cache_tokens is not None:
+        serving["kv_cache_tokens"] = spec.engine.kv_cache_tokens
     if spec.model.served_name:
         serving["served_model_name"] = spec.model.served_name
     if spec.serving.api_key_secret is not None:

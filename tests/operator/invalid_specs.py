@@ -115,6 +115,14 @@ OUT_OF_BOUNDS_SPECS = {
     "max-surge-not-a-percentage": ({**VALID, "rollout": {"maxSurge": "half"}}, "spec.rollout.maxSurge"),
     "negative-max-unavailable": ({**VALID, "rollout": {"maxUnavailable": -1}}, "spec.rollout.maxUnavailable"),
     "max-seq-len-too-small": ({**VALID, "engine": {"maxSeqLen": 8}}, "spec.engine.maxSeqLen"),
+    "kv-cache-smaller-than-a-request": (
+        {**VALID, "engine": {"maxSeqLen": 8192, "kvCacheTokens": 4096}},
+        "spec.engine.kvCacheTokens",
+    ),
+    "kv-cache-smaller-than-the-default-request": (
+        {**VALID, "engine": {"kvCacheTokens": 1024}},
+        "spec.engine.kvCacheTokens",
+    ),
     "expert-parallel-zero": ({**VALID, "parallelism": {"expert": 0}}, "spec.parallelism.expert"),
     "unknown-rollout-type": ({**VALID, "rollout": {"type": "BlueGreen"}}, "spec.rollout.type"),
     "autoscaling-min-zero": (

@@ -94,6 +94,10 @@ def test_plan_inputs_follow_the_spec_and_the_engine_defaults():
     )
     inputs = plan_inputs(spec)
     assert (inputs.max_context, inputs.max_batch, inputs.expert_parallel, inputs.budget) == (32768, 4, 1, None)
+    assert inputs.kv_cache_tokens is None  # the engine's default pool: every row at its longest
+    spec = kimi(8, engine={"maxSeqLen": 32768, "kvCacheTokens": 65536, "args": ["--kv-cache-tokens", "131072"]})
+    assert plan_inputs(spec).kv_cache_tokens == 131072
+    assert plan_inputs(kimi(8, engine={"maxSeqLen": 32768, "kvCacheTokens": 65536})).kv_cache_tokens == 65536
     # spec.engine.args come last on the command line, so they win
     spec = kimi(8, engine={"maxSeqLen": 32768, "args": ["--max-seq-len=4096", "--dtype", "float16"]})
     inputs = plan_inputs(spec)

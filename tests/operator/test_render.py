@@ -320,24 +320,24 @@ def test_budget_by_batch_size_renders_one_budget_sorted_by_batch():
     assert EngineConfig.from_dict(mounted_config(spec)).speculation.budget == {1: 32, 16: 8, 64: 0}
 
 
-def test_trust_remote_code_expert_parallel_and_max_seq_len_reach_the_engine():
+def test_trust_remote_code_expert_parallel_and_context_reach_the_engine():
     s = spec(
         model={"uri": "moonshotai/Kimi-K2.6", "trustRemoteCode": True},
         parallelism={"tensor": 8, "expert": 1},
         resources={"gpus": 8},
-        engine={"maxSeqLen": 8192},
+        engine={"maxSeqLen": 8192, "kvCacheTokens": 65536},
     )
     config = mounted_config(s)
     assert config["model"]["trust_remote_code"] is True
     assert config["parallel"] == {"tensor_parallel": 8, "expert_parallel": 1}
-    assert config["serving"]["max_seq_len"] == 8192
+    assert config["serving"]["max_seq_len"] == 8192 and config["serving"]["kv_cache_tokens"] == 65536
     engine = EngineConfig.from_dict(config)  # the engine's own parser reads them by these names
     assert engine.model.trust_remote_code is True and engine.parallel.expert_parallel == 1
-    assert engine.serving.max_seq_len == 8192
+    assert (engine.serving.max_seq_len, engine.serving.kv_cache_tokens) == (8192, 65536)
     # unset: nothing rendered, the engine's defaults hold
     plain = mounted_config(spec())
     assert "trust_remote_code" not in plain["model"] and "parallel" not in plain
-    assert "max_seq_len" not in plain["serving"]
+    assert "max_seq_len" not in plain["serving"] and "kv_cache_tokens" not in plain["serving"]
 
 
 def test_api_key_secret_is_mounted_where_the_engine_reads_its_keys(tmp_path):

@@ -10,9 +10,10 @@ rank, the bytes the engine allocates and says whether they fit:
   every expert's width divided by N); norms, routers (the gate and its fp32 correction bias), RoPE
   frequencies and MLA's q_a / kv_a projections replicated. Multi-token-prediction layers
   (num_nextn_predict_layers) are not loaded, so not counted. A tied LM head is the embedding (0 bytes).
-- the KV caches, allocated up front by setup_caches as pages for max_batch rows of max_context tokens plus
-  the room a round needs past the text (the tree or the drafter's block), in whole pages of 16 slots, and
-  the trash slot (the engine's default pool; runtime/pages.py): split by KV heads
+- the KV caches, allocated up front by setup_caches as one pool of pages: kv_cache_tokens in whole pages
+  of 16 slots when given (serving.kv_cache_tokens), else max_batch rows of max_context tokens plus the
+  room a round needs past the text (the tree or the drafter's block), each in whole pages (the engine's
+  default pool; runtime/pages.py), and the trash slot: split by KV heads
   for grouped-query attention (2 x kv_heads / N x head_dim per layer and token), replicated for MLA's
   latent cache (kv_lora_rank + qk_rope_head_dim per layer and token, on every rank).
 - a DFlash drafter (its config.json dict): its layers split like the target's when its heads, KV heads,
@@ -506,6 +507,7 @@ class MemoryPlan:
     kv_bytes_per_token: int  # the target's KV cache per token and sequence, on one rank
     drafter_kv_bytes_per_token: int
     cache_slots: int  # KV cache slots per sequence: max_context and a round's tree or block, in whole pages
+    pool_slots: int  # the page pool's slots, shared by all rows (default max_batch x cache_slots)
     max_context_that_fits: int  # the largest max_context at max_batch that fits (0: not even the weights)
     max_position_embeddings: int
     quantization: str | None = None
@@ -547,7 +549,11 @@ class MemoryPlan:
             if self.per_rank_bytes.get(kind):
                 line(kind, self.per_rank_bytes[kind])
         line("= weights", self.weight_bytes)
-        batch_slots = f"x {self.cache_slots:,} slots x {self.max_batch} rows"
+        batch_slots = (
+            f"x {self.cache_slots:,} slots x {self.max_batch} rows"
+            if self.pool_slots == self.cache_slots * self.max_batch
+            else f"x a pool of {self.pool_slots:,} slots"
+        )
         line("kv_cache", self.per_rank_bytes["kv_cache"], f"{self.kv_bytes_per_token:,} B/token {batch_slots}")
         if self.drafter != "none":
             line(
@@ -583,6 +589,7 @@ def plan_memory(
     gpu_memory: int,
     max_context: int | None = None,
     max_batch: int = 1,
+    kv_cache_tokens: int | None = None,
     dtype: str = "bfloat16",
     drafter_config: dict | None = None,
     budget: int | None = None,
@@ -592,7 +599,8 @@ def plan_memory(
 ) -> MemoryPlan:
     """The per-rank memory of serving `config` (a config.json dict) on `gpus` GPUs of `gpu_memory` bytes
     each, with max_batch rows of max_context tokens (the engine's max_seq_len; default the model's
-    max_position_embeddings), in `dtype`, with the DFlash
+    max_position_embeddings) and a KV page pool of kv_cache_tokens (default: every row's whole context), in
+    `dtype`, with the DFlash
     drafter of `drafter_config` at `budget` (default: its block size - 1). A split the model does not
     divide, or an unsupported quantization, is a plan that does not fit, with the reason; a config this
     module cannot read raises ValueError (one line)."""
@@ -629,9 +637,10 @@ def plan_memory(
     kv_token = target.cache_values_per_token * size
     drafter_kv_token = drafter.cache_values_per_token * size if drafter is not None and drafts else 0
 
-    def per_rank_at(context: int) -> tuple[dict[str, int], dict[str, int], int]:
-        # a row's slots (Engine.max_slots) in whole pages (runtime/pages.py): the engine's default pool
+    def per_rank_at(context: int) -> tuple[dict[str, int], dict[str, int], int, int]:
+        # a row's slots (Engine.max_slots) in whole pages (runtime/pages.py), and the pool's
         slots = -(-(context + max(tree, block)) // PAGE_SIZE) * PAGE_SIZE
+        pool = max_batch * slots if kv_cache_tokens is None else -(-kv_cache_tokens // PAGE_SIZE) * PAGE_SIZE
         b, vocab = max_batch, target.vocab_size
         gathered = 1 if gpus == 1 else 2 + 1 / gpus  # all_gather_last: its buffer and the reordered copy
         work = {
@@ -646,13 +655,13 @@ def plan_memory(
             work["attention"] = max(work["attention"], b * drafter.heads * block * slots * ATTENTION_BYTES_PER_SCORE)
         kinds = dict.fromkeys(KINDS, 0)
         kinds.update(weights)
-        kinds["kv_cache"] = kv_token * (b * slots + 1)  # and the trash slot
-        kinds["drafter_kv_cache"] = drafter_kv_token * (b * slots + 1)
+        kinds["kv_cache"] = kv_token * (pool + 1)  # and the trash slot
+        kinds["drafter_kv_cache"] = drafter_kv_token * (pool + 1)
         kinds["workspace"] = sum(work.values())
         kinds["reserve"] = reserve
-        return kinds, work, slots
+        return kinds, work, slots, pool
 
-    per_rank, work, slots = per_rank_at(max_context)
+    per_rank, work, slots, pool = per_rank_at(max_context)
     total = sum(per_rank.values())
     largest = _largest_context(lambda t: sum(per_rank_at(t)[0].values()) <= gpu_memory)
     runs = not problems  # a split that does not divide, or a scheme the engine cannot hold, runs at no context
@@ -697,6 +706,7 @@ def plan_memory(
         kv_bytes_per_token=kv_token,
         drafter_kv_bytes_per_token=drafter_kv_token,
         cache_slots=slots,
+        pool_slots=pool,
         max_context_that_fits=largest if runs else 0,
         max_position_embeddings=target.max_position_embeddings,
         quantization=quant_note,

@@ -201,6 +201,7 @@ def make_engine(
     max_seq_len: int,
     prefill_chunk: int | None = None,
     logprobs: bool = False,
+    kv_cache_tokens: int | None = None,
 ):
     """The Engine of loaded models: the one place engines are constructed from settings."""
     from .engine import PREFILL_CHUNK, Engine
@@ -214,6 +215,7 @@ def make_engine(
         max_seq_len=max_seq_len,
         prefill_chunk=prefill_chunk or PREFILL_CHUNK,
         logprobs=logprobs,
+        kv_cache_tokens=kv_cache_tokens,
     )
 
 
@@ -238,5 +240,6 @@ def build_engine(
         max_seq_len=max_seq_len or config.serving.seq_len,
         prefill_chunk=config.serving.prefill_chunk,
         logprobs=config.serving.max_logprobs > 0,
+        kv_cache_tokens=config.serving.kv_cache_tokens,
     )
     return engine, loaded.tokenizer

@@ -73,7 +73,12 @@ def cmd_plan(args) -> int:
         gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory is not None else visible_gpu_memory()
     except ValueError as exc:
         raise UsageError(f"--gpu-memory: {exc}") from None
-    for flag, value in (("--gpus", args.gpus), ("--max-batch", args.max_batch), ("--max-context", args.max_context)):
+    for flag, value in (
+        ("--gpus", args.gpus),
+        ("--max-batch", args.max_batch),
+        ("--max-context", args.max_context),
+        ("--kv-cache-tokens", args.kv_cache_tokens),
+    ):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     config = read_config(args.model, args.revision)
@@ -90,6 +95,7 @@ def cmd_plan(args) -> int:
         gpu_memory=gpu_memory,
         max_context=args.max_context,  # default: the model's max_position_embeddings
         max_batch=args.max_batch,
+        kv_cache_tokens=args.kv_cache_tokens,
         dtype=args.dtype,
         drafter_config=drafter,
         budget=budget,

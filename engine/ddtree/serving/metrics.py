@@ -127,7 +127,7 @@ class ServerMetrics:
             "(each ends its round's accepted path there)",
         ).labels(model=model)
         self.kv_cache_usage_ratio = gauge(
-            "ddtree_kv_cache_usage_ratio", "Committed tokens of running requests / (max_batch_size x max_seq_len)"
+            "ddtree_kv_cache_usage_ratio", "KV cache pages held by requests / pages in the pool"
         )
         self.kv_pages_used = gauge(
             "ddtree_kv_pages_used", "KV cache pages held by requests (running, or being prefilled)"

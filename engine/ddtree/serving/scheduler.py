@@ -299,10 +299,10 @@ class Scheduler:
         engine = self.engine
         self.metrics.requests_running.set(self.running)
         self._set_load()
-        used = sum(engine.host_lengths[row] for row in (*self._running, *self._prefilling))
-        self.metrics.kv_cache_usage_ratio.set(used / (engine.max_batch_size * engine.max_seq_len))
-        self.metrics.kv_pages_used.set(engine.page_pool.used)
-        self.metrics.kv_pages_total.set(engine.page_pool.pages)
+        pool = engine.page_pool
+        self.metrics.kv_cache_usage_ratio.set(pool.used / pool.pages)
+        self.metrics.kv_pages_used.set(pool.used)
+        self.metrics.kv_pages_total.set(pool.pages)
 
     def _set_load(self) -> None:
         """ddtree_load: rows claimed (requests running, or admitted and about to prefill) plus requests
