@@ -127,7 +127,7 @@ def test_a_running_requests_prompt_pages_are_shared(tiny_target, tiny_drafter, m
     used = eng.page_pool.used
     reused, got_b = start(eng, 2, SYSTEM + USER_B)
     assert reused == len(SYSTEM) and eng.row_pages[2][:3] == eng.row_pages[0][:3]
-    assert eng.page_pool.used == used + eng.request_pages(SYSTEM + USER_B, SP) - 3
+    assert eng.page_pool.used == used + eng.start_pages(SYSTEM + USER_B) - 3
     assert all(eng.page_pool.refs[p] == 2 for p in eng.row_pages[0][:3])
     assert_caches_as_fresh(eng, 2, SYSTEM + USER_B)
     run(eng, {0: got_a, 2: got_b}, 3)
@@ -271,10 +271,11 @@ def test_a_prefix_last_held_by_a_higher_row_is_reused_in_the_lowest_free_row(tin
 
 
 def test_a_small_pool_admits_by_pages_shares_prefixes_and_refuses_what_never_fits(tiny_target, tiny_drafter):
-    """A pool of 10 pages under three rows: requests of 6 pages that share a 3-page system prompt run two at
-    a time (3 shared + 3 + 3), the others wait for pages rather than rows; finished requests' pages are
-    evicted for new ones. All five return what they return alone, and a request within the context but
-    larger than the whole pool gets a 400 without disturbing them."""
+    """A pool of 10 pages under three rows: requests of up to 6 pages that share a 3-page system prompt are
+    admitted with the pages of their prompt and first round and take more as they grow; the others wait for
+    pages rather than rows, and finished requests' pages are evicted for new ones. All five return what they
+    return alone, and a request within the context but larger than the whole pool gets a 400 without
+    disturbing them."""
     eng = make(tiny_target, tiny_drafter, "ddtree", 8, kv_cache_tokens=10 * PAGE_SIZE)
     huge_prompt = (SYSTEM * 3)[:135]
     assert eng.page_pool.pages == 10 and eng.request_pages(SYSTEM + USER_B, SP) == 6
@@ -313,10 +314,71 @@ def test_a_small_pool_admits_by_pages_shares_prefixes_and_refuses_what_never_fit
     errors = [(r, ev) for r, ev in events if ev.error]
     assert [r for r, _ in errors] == [huge] and errors[0][1].error_status == 400
     assert "more than the whole KV cache (160 tokens)" in errors[0][1].error
-    assert 9 <= peak[0] <= 10  # two requests at a time, never three
+    assert 9 <= peak[0] <= 10  # the pool used to its end, never past it
     assert all(ratio == used / 10 and pool == 10 for ratio, used, pool in ratios)
     assert max(used for _, used, _ in ratios) >= 9 and gauges() == (0, 0, 10)
     hits = total(read_samples(metrics.render()[0].decode()), "ddtree_prefix_cache_hit_tokens_total")
     assert hits == 4 * len(SYSTEM)  # every request after the first shares the system prompt's pages
     for req, prompt in zip(reqs, prompts):
         assert req.token_ids == alone(tiny_target, tiny_drafter, "ddtree", 8, prompt)
+
+
+@pytest.mark.parametrize("method,budget", METHODS)
+def test_requests_that_outgrow_the_pool_are_preempted_and_resume_where_they_were(
+    tiny_target, tiny_drafter, method, budget
+):
+    """Three requests of 40 new tokens over 7 pages: each is admitted with the pages of its prompt and first
+    round and takes more as its text grows, until the pool runs out; then the request admitted last gives
+    its row and pages back, waits at the head of the queue and resumes from its prompt and the tokens it
+    had. Each streams exactly what it generates alone, every token once."""
+    sp = SamplingParams(max_new_tokens=40)
+    eng = make(tiny_target, tiny_drafter, method, budget, kv_cache_tokens=7 * PAGE_SIZE)
+    prompts = [OTHER, USER_B, USER_A]
+    assert all(eng.request_pages(p, sp) <= 7 for p in prompts) and sum(eng.request_pages(p, sp) for p in prompts) > 7
+    tokenizer = ByteTokenizer(64)
+    metrics = ServerMetrics("test")
+    sched = Scheduler(eng, tokenizer, metrics, max_waiting=8)
+    streamed: dict[int, list] = {}
+    waits = []
+    sched.start()
+    try:
+        reqs = []
+        for prompt in prompts:
+            done = threading.Event()
+            req = Request(prompt, sp, None, lambda ev: None)
+            streamed[req.id] = []
+            req.sink = lambda ev, d=done, r=req: (streamed[r.id].append(ev), (ev.finish_reason or ev.error) and d.set())
+            reqs.append(req)
+            waits.append(done)
+            sched.submit(req)
+        assert all(done.wait(60) for done in waits)
+    finally:
+        sched.stop()
+    samples = read_samples(metrics.render()[0].decode())
+    assert total(samples, "ddtree_preemptions_total") >= 1
+    assert total(samples, "ddtree_kv_pages_used") == 0
+    for req, prompt in zip(reqs, prompts):
+        events = streamed[req.id]
+        assert [ev.error for ev in events] == [None] * len(events) and events[-1].finish_reason == "length"
+        counts = [ev.completion_tokens for ev in events]
+        assert counts == sorted(counts) and counts[-1] == 40
+        assert "".join(ev.text for ev in events) == tokenizer.decode(req.token_ids)
+        assert req.token_ids == alone(tiny_target, tiny_drafter, method, budget, prompt, sp)
+
+
+@pytest.mark.parametrize("method,budget", METHODS)
+def test_a_row_takes_pages_as_its_text_grows(tiny_target, tiny_drafter, method, budget):
+    """Admission takes the pages of the prompt and one round past it; before each round the row takes the
+    pages its text has grown into, and what it generates is what an engine with every page up front does."""
+    eng = make(tiny_target, tiny_drafter, method, budget)
+    prompt = OTHER + USER_A  # 29 tokens
+    _, got = start(eng, 0, prompt, reuse=False)
+    assert len(eng.row_pages[0]) == eng.start_pages(prompt) == -(-(len(prompt) + eng.room) // PAGE_SIZE)
+    held = [len(eng.row_pages[0])]
+    while len(got) < SP.max_new_tokens:
+        length = eng.host_lengths[0]
+        got += eng.step(1)[0]
+        held.append(len(eng.row_pages[0]))
+        assert held[-1] == -(-(length + eng.room) // PAGE_SIZE)  # what this round could fill, no more
+    assert held[-1] > held[0] and eng.page_pool.used == held[-1]
+    assert got[: SP.max_new_tokens] == alone(tiny_target, tiny_drafter, method, budget, prompt)

@@ -131,6 +131,12 @@ class ScriptedEngine:
     def pages_needed(self, prompt, params, reuse=False) -> int:
         return 0
 
+    def request_pages(self, prompt, params) -> int:
+        return 0
+
+    def grow(self, row) -> bool:
+        return True
+
     def plan(self, n):
         from ddtree.runtime.plan import RoundPlan
 

@@ -187,6 +187,7 @@ def drive(engine):
     engine.release(1)
     out["first"].append(engine.add(1, PROMPTS[1], SamplingParams(max_new_tokens=64, temperature=1.0, seed=7)))
     out["first"].append(engine.add(2, PROMPTS[2], greedy))
+    out["grow"] = [engine.grow(row) for row in range(3)]  # the pages a round takes, on every rank alike
     for _ in range(3):
         out["steps"].append(engine.step(3))
     # constrained decoding: replacements (a sampled one in row 1) are made on every rank alike
@@ -248,6 +249,7 @@ def test_followers_replay_rank0_calls_in_step_and_greedy_equals_tp1():
     out, (follower,) = launch(2, leader_rank)
     steps = [result for name, result in follower if name == "step"]
     firsts = [result for name, result in follower if name == "add"]
+    assert [result for name, result in follower if name == "grow"] == out["grow"] == [True] * 3
     assert steps == out["steps"] and firsts == out["first"], "a follower sampled or walked differently"
     (replaced,) = [result for name, result in follower if name == "override"]
     assert 1 in replaced, "the sampled row's replacement is drawn on every rank alike"
@@ -258,6 +260,9 @@ def test_followers_replay_rank0_calls_in_step_and_greedy_equals_tp1():
         "release",
         "add",
         "add",
+        "grow",
+        "grow",
+        "grow",
         "step",
         "step",
         "step",

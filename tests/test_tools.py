@@ -407,6 +407,12 @@ class ScriptedEngine:
     def pages_needed(self, prompt, params, reuse=False) -> int:
         return 0
 
+    def request_pages(self, prompt, params) -> int:
+        return 0
+
+    def grow(self, row) -> bool:
+        return True
+
     def __init__(self, eos: int):
         self.eos = eos
         self.scripts: deque[list[int]] = deque()

@@ -150,7 +150,8 @@ class Engine:
         self.tap_layers = tuple(self.drafter.config.target_layer_ids) if self.drafter else ()
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         # room past the committed text for the tree (target) and the block (drafter)
-        self.max_slots = max_seq_len + max(self.tree_size, block)
+        self.room = max(self.tree_size, block)
+        self.max_slots = max_seq_len + self.room
         self.prefill_sizes = prefill_sizes(prefill_chunk)
         self.span_buckets = default_span_buckets(self.max_slots)  # a prefill's attention spans
         self.prefills: dict[int, Prefill] = {}  # rows whose prompt is not all in the caches yet
@@ -230,8 +231,9 @@ class Engine:
 
     def begin(self, row: int, prompt: list[int], params: SamplingParams, reuse: bool = False) -> int:
         """Claim row `row` for `prompt` (checked here: a ValueError refuses it) and the cache pages its
-        prompt, its new tokens and a round past them can fill. The row stays out of the rounds (inactive)
-        until `prefill` has put the whole prompt in the caches.
+        prompt and a round past it can fill; each round takes the pages its row's text has grown into
+        (grow). The row stays out of the rounds (inactive) until `prefill` has put the whole prompt in the
+        caches.
 
         With reuse, the longest run of whole pages at the start of the prompt that the page index holds (a
         running request's prompt, a finished one's prompt and reply) is mapped into the row, not computed
@@ -267,8 +269,13 @@ class Engine:
             self.drafter.setup_caches(self.max_batch_size, self.max_slots, self.target.pool_slots, self.slot_map)
 
     def request_pages(self, prompt: list[int], params: SamplingParams) -> int:
-        """Pages a request holds: its prompt and new tokens, and a round's tree or drafter block past them."""
-        return self.page_pool.pages_for(len(prompt) + params.max_new_tokens + max(self.tree_size, self.block_size))
+        """Pages a request holds at its longest: its prompt and new tokens, and a round's tree or drafter
+        block past them."""
+        return self.page_pool.pages_for(len(prompt) + params.max_new_tokens + self.room)
+
+    def start_pages(self, prompt: list[int]) -> int:
+        """Pages a request takes at admission: its prompt and its first round's tree or block."""
+        return self.page_pool.pages_for(len(prompt) + self.room)
 
     def _shared_pages(self, prompt: list[int]) -> list[int]:
         return self.page_pool.match(prompt[: len(prompt) - 1])
@@ -278,7 +285,7 @@ class Engine:
         holds now (indexed, idle)."""
         shared = self._shared_pages(prompt) if reuse else []
         idle = sum(1 for page in shared if self.page_pool.refs[page] == 0)
-        return self.request_pages(prompt, params) - len(shared) + idle
+        return self.start_pages(prompt) - len(shared) + idle
 
     def _claim(self, row: int, prompt: list[int], params: SamplingParams, reuse: bool) -> int:
         """Give row `row` its pages (shared ones first) and map its slots to them; returns the tokens shared."""
@@ -286,7 +293,7 @@ class Engine:
         shared = self._shared_pages(prompt) if reuse else []
         pool.acquire(shared)
         try:
-            fresh = pool.take(self.request_pages(prompt, params) - len(shared))
+            fresh = pool.take(self.start_pages(prompt) - len(shared))
         except OutOfPages:
             pool.release(shared)
             raise
@@ -294,18 +301,33 @@ class Engine:
         self._map_row(row)
         return len(shared) * PAGE_SIZE
 
-    def _map_row(self, row: int) -> None:
-        """Write row `row`'s slot map (the target's, which the drafter shares): logical slot s is slot s %
-        PAGE_SIZE of its page s // PAGE_SIZE; slots past its pages go to the trash slot."""
+    def grow(self, row: int) -> bool:
+        """Give running row `row` the pages its next round can fill: its committed text and a round's tree
+        or drafter block past it. False, taking nothing, when the pool has too few available."""
+        pages = self.row_pages[row]
+        want = self.page_pool.pages_for(self.host_lengths[row] + self.room) - len(pages)
+        if want <= 0:
+            return True
+        if want > self.page_pool.available:
+            return False
+        first = len(pages)
+        pages += self.page_pool.take(want)
+        self._map_row(row, first)
+        return True
+
+    def _map_row(self, row: int, first: int = 0) -> None:
+        """Write row `row`'s slot map (the target's, which the drafter shares) from its page `first` on:
+        logical slot s is slot s % PAGE_SIZE of its page s // PAGE_SIZE; slots past its pages go to the
+        trash slot."""
         pages, trash = self.row_pages[row], self.target.pool_slots
-        s = torch.arange(self.max_slots + 1)
+        s = torch.arange(first * PAGE_SIZE, self.max_slots + 1)
         table = torch.full_like(s, trash)
         if pages:
             index = s // PAGE_SIZE
             held = index < len(pages)
             table[held] = torch.tensor(pages)[index[held]] * PAGE_SIZE + s[held] % PAGE_SIZE
-        table[self.max_slots] = trash  # the logical trash slot, even where the last page reaches it
-        self.target.slot_map[row].copy_(table)
+        table[-1] = trash  # the logical trash slot (max_slots), even where the last page reaches it
+        self.target.slot_map[row, first * PAGE_SIZE :].copy_(table)
 
     def cached_text(self, row: int) -> list[int]:
         """The tokens whose keys and values are in slots 0.. of row `row`'s target and drafter caches."""
@@ -657,6 +679,12 @@ class Engine:
         return out
 
     def _step(self, n: int) -> list[list[int]]:
+        for row in range(n):
+            if self.host_active[row] and not self.grow(row):
+                raise OutOfPages(
+                    f"row {row} needs more KV cache pages for its round than the pool has available "
+                    f"({self.page_pool.available}); the scheduler preempts a request first (Scheduler._make_room)"
+                )
         sampling = any(self.host_sampling[:n])
         needed = self.span_needed(n)
         plan, last = self.plan(n), self.last_plan

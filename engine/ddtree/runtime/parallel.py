@@ -261,6 +261,7 @@ ENGINE_CALLS = (
     "add_many",
     "begin",
     "prefill",
+    "grow",
     "step",
     "release",
     "warm_up",
@@ -311,6 +312,9 @@ class Leader:
 
     def prefill(self, row: int, budget: int) -> int | None:
         return self._call("prefill", row, budget)
+
+    def grow(self, row: int) -> bool:
+        return self._call("grow", row)
 
     def step(self, n: int) -> list[list[int]]:
         # budget auto: rank 0 chooses (from its own measurements), so that every rank replays the same graph

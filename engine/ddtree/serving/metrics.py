@@ -133,6 +133,11 @@ class ServerMetrics:
             "ddtree_kv_pages_used", "KV cache pages held by requests (running, or being prefilled)"
         )
         self.kv_pages_total = gauge("ddtree_kv_pages_total", "KV cache pages (of 16 tokens) in the pool")
+        self.preemptions = counter(
+            "ddtree_preemptions",
+            "Running requests that gave their engine row and KV cache pages back because the pool ran out, "
+            "to resume later from their prompt and generated tokens",
+        ).labels(model=model)
 
         self.acceptance_length = histogram(
             "ddtree_acceptance_length", "Tokens committed per sequence per round, bonus included", ACCEPTANCE_BUCKETS

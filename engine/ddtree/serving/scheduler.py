@@ -6,8 +6,10 @@ One engine thread owns the Engine. Each iteration it
      (`engine.begin`),
   3. prefills at most one chunk's worth of prompt tokens (`engine.prefill`, prefill_chunk tokens, oldest
      admitted request first); a request whose prompt is all in gets its first token and starts running,
-  4. runs one round on rows [0, n), n = highest running row + 1 (`engine.step`), and holds the tokens of
-     requests with a grammar to it (runtime/constrained.py),
+  4. gives every running row the KV cache pages its round can fill (`engine.grow`), preempting the
+     request admitted last while the pool has too few, then runs one round on rows [0, n), n = highest
+     running row + 1 (`engine.step`), and holds the tokens of requests with a grammar to it
+     (runtime/constrained.py),
   5. truncates each request's tokens at stop tokens, stop strings and max_tokens, detokenizes
      incrementally and hands the new text to the request's sink,
   6. releases finished rows.
@@ -16,12 +18,15 @@ Requests join and leave only between rounds. The sink is called on the engine th
 passes one that forwards to an asyncio queue with `loop.call_soon_threadsafe`, so that the event
 loop never waits on torch.
 
-Memory: a request is admitted when a row is free and the KV cache has the pages its prompt, its
-max_tokens and a round past them can fill (less the pages of its prompt's start that the page index
-shares: runtime/pages.py), taken at admission, so running requests never need more memory. Requests
-are admitted in arrival order: one that waits for pages holds back those behind it. Beyond the rows
-there is a bounded waiting queue; a full queue is refused (QueueFull -> HTTP 429) instead of growing
-without bound.
+Memory: a request is admitted when a row is free and the KV cache has the pages its prompt and its first
+round can fill (less the pages of its prompt's start that the page index shares: runtime/pages.py), with
+a page to spare for each running request; a running request takes pages as its text grows, before each
+round. When the pool has too few, the request admitted last is preempted: it gives its row and pages back
+(their full pages stay indexed) and waits at the head of the queue, to resume from its prompt and the
+tokens it generated, whose pages the index maps back unless new text needed them meanwhile; its client
+sees a pause, not a change. Requests are admitted in arrival order: one that waits for pages holds back
+those behind it. Beyond the rows there is a bounded waiting queue; a full queue is refused (QueueFull ->
+HTTP 429) instead of growing without bound.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..runtime.constrained import Constraint, constrain
 from ..runtime.engine import SamplingParams
@@ -128,6 +133,8 @@ class Request:
         constraint: Constraint | None = None,  # a grammar: response_format, a required tool choice (constrained.py)
     ):
         self.id = next(_ids)
+        self.admitted = 0  # admission order: the request admitted last is preempted first
+        self.resumed = False  # preempted: it resumes from prompt_ids + token_ids (engine_prompt)
         self.constraint = constraint
         self.logprobs = logprobs
         self.pending_logprobs: list[TokenLogprob] = []  # of the tokens being delivered
@@ -149,6 +156,17 @@ class Request:
         self.finish_reason: str | None = None
         self.last_token_at = 0.0
         self.detok: IncrementalDetokenizer | None = None
+
+    @property
+    def engine_prompt(self) -> list[int]:
+        """What the engine prefills: the prompt, and after a preemption the tokens generated before it."""
+        return self.prompt_ids + self.token_ids if self.resumed else self.prompt_ids
+
+    @property
+    def engine_params(self) -> SamplingParams:
+        if not self.resumed:
+            return self.params
+        return replace(self.params, max_new_tokens=self.params.max_new_tokens - len(self.token_ids))
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -178,6 +196,7 @@ class Scheduler:
         self._free = engine.max_batch_size  # rows not claimed by a request (guarded by _cv)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._admissions = itertools.count(1)
         self.rounds = 0
         self.error: BaseException | None = None
 
@@ -263,13 +282,18 @@ class Scheduler:
                     return
                 taken = self._running.keys() | self._prefilling.keys()
                 free = [row for row in range(engine.max_batch_size) if row not in taken]
-                pages = engine.page_pool.available  # admission by free KV cache pages too, in arrival order
+                # admission by free KV cache pages too, in arrival order, with a page to spare for each
+                # request that runs (its text grows into new pages)
+                pages = engine.page_pool.available - self.running
                 while free and self._waiting:
                     req = self._waiting[0]
-                    need = engine.pages_needed(req.prompt_ids, req.params, self.prefix_cache)
-                    if need > pages and need <= engine.page_pool.pages:  # one that never fits: begin refuses it
+                    prompt, params = req.engine_prompt, req.engine_params
+                    need = engine.pages_needed(prompt, params, self.prefix_cache)
+                    # one that never fits goes to begin, which refuses it; one alone always goes in
+                    fits = engine.request_pages(prompt, params) <= engine.page_pool.pages
+                    if fits and need + 1 > pages and (self.running or self._admitting):
                         break
-                    pages -= need
+                    pages -= need + 1
                     self._waiting.popleft()
                     # the lowest free row: a round runs rows [0, highest running + 1), so rows stay packed
                     req.row = free.pop(0)
@@ -289,6 +313,8 @@ class Scheduler:
             self.metrics.requests_running.set(self.running)
             self._set_load()
             busy = bool(admits or self.running)
+            if self._running:
+                self._make_room()
             if self._running:
                 self._round()
             if busy:
@@ -312,14 +338,35 @@ class Scheduler:
 
     def _admit(self, row: int, req: Request) -> None:
         try:
-            reused = self.engine.begin(row, req.prompt_ids, req.params, reuse=self.prefix_cache)
+            reused = self.engine.begin(row, req.engine_prompt, req.engine_params, reuse=self.prefix_cache)
         except ValueError as exc:  # validated by the server already; kept as a safety net
             self.engine.release(row)
             self._error(req, 400, str(exc))
             return
         req.prefilled = reused
-        self.metrics.prefix_cache_hit_tokens.inc(reused)
+        req.admitted = next(self._admissions)
+        if not req.resumed:
+            self.metrics.prefix_cache_hit_tokens.inc(reused)
         self._prefilling[row] = req
+
+    def _make_room(self) -> None:
+        """Give every running row the pages its next round can fill, oldest request first; while the pool
+        has too few, preempt the request admitted last (the one short of pages, if it is that one)."""
+        for row, req in sorted(self._running.items(), key=lambda item: item[1].admitted):
+            while req.row == row and not self.engine.grow(row):
+                victims = [*self._running.values(), *self._prefilling.values()]
+                self._preempt(max(victims, key=lambda r: r.admitted))
+
+    def _preempt(self, req: Request) -> None:
+        """Give `req`'s row and pages back and queue it first, to resume from engine_prompt."""
+        log.info("request %s preempted after %d tokens: the KV cache is full", req.id, len(req.token_ids))
+        req.resumed = req.detok is not None  # it has tokens out: it resumes after them
+        self._finish(req, None)
+        req.finish_reason = None
+        self.metrics.preemptions.inc()
+        with self._cv:
+            self._waiting.appendleft(req)
+            self.metrics.requests_waiting.set(len(self._waiting))
 
     def _prefill(self) -> None:
         """Prefill up to prefill_budget prompt tokens, oldest admitted request first; requests whose prompt
@@ -328,7 +375,7 @@ class Scheduler:
         for row, req in list(self._prefilling.items()):
             if budget <= 0:
                 break
-            take = min(len(req.prompt_ids) - req.prefilled, budget)
+            take = min(len(req.engine_prompt) - req.prefilled, budget)
             t0 = time.perf_counter()
             try:
                 first = self.engine.prefill(row, take)
@@ -350,11 +397,14 @@ class Scheduler:
                 first = first_tokens[row][0]
             del self._prefilling[row]
             self._logprobs(row, req, [first])
+            self._running[row] = req
+            if req.resumed:  # its next token, after a pause
+                self._deliver(req, [first], now)
+                continue
             self.metrics.prefill_seconds.observe(req.prefill_seconds)
             self.metrics.prompt_tokens.inc(len(req.prompt_ids))
             self.metrics.time_to_first_token.observe(now - req.arrival)
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.skip_special_tokens)
-            self._running[row] = req
             self._deliver(req, [first], now, first=True)
 
     def _round(self) -> None:
