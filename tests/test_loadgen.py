@@ -31,6 +31,7 @@ KEYS = {
     "response_format",
     "grammar_replaced_tokens",
     "prefix_cache_hit_tokens",
+    "preemptions",
     "concurrency",
     "request_rate",
     "achieved_request_rate",

@@ -386,6 +386,7 @@ async def bench_serve(
                     "response_format": _format_name(response_format),
                     "grammar_replaced_tokens": int(d("ddtree_grammar_replaced_tokens_total")),
                     "prefix_cache_hit_tokens": int(d("ddtree_prefix_cache_hit_tokens_total")),
+                    "preemptions": int(d("ddtree_preemptions_total")),
                     "rounds": int(rounds),
                     "mean_batch": round(drafts / rounds, 2) if rounds else float("nan"),
                     "engine_step_ms_per_round": round(step_ms, 3),
@@ -447,4 +448,5 @@ def bench_line(r: dict) -> str:
             if r["prefix_cache_hit_tokens"]
             else ""
         )
+        + (f"  {r['preemptions']} preempted" if r["preemptions"] else "")
     )
