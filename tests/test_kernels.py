@@ -463,10 +463,10 @@ def test_skinny_linear(dtype, case):
 
 
 @interp
-def test_model_with_kernels_past_the_decode_attention_batch(monkeypatch):
-    """One-token steps of more sequences than TritonAttention.decode_max_batch go through SDPA inside the
-    kernels path; here from 2 sequences on, so that run_model's batch-2 decode step takes that branch."""
-    monkeypatch.setattr(TritonAttention, "decode_max_batch", 1)
+def test_model_with_kernels_through_sdpa_over_gathered_keys(monkeypatch):
+    """Forwards of more query tokens than TritonAttention.max_tokens (long prefill chunks) attend through
+    SDPA over keys gathered by the slot map inside the kernels path; here every forward does."""
+    monkeypatch.setattr(TritonAttention, "max_tokens", 0)
     check_model("cpu", torch.float32, qk_norm=True)
 
 
