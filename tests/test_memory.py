@@ -349,6 +349,9 @@ def test_plan_command_takes_the_page_pool(capsys):
     code, out, _ = plan_cli(capsys, *args, "--max-context", "65536", "--max-batch", "8", "--kv-cache-tokens", "131072")
     pooled = json.loads(out)
     assert code == 0 and pooled["pool_slots"] == 131072 and whole["pool_slots"] == 8 * whole["cache_slots"]
+    assert pooled["max_context_that_fits"] == 131072  # one request holds the whole pool at most
+    code, out, err = plan_cli(capsys, *args, "--max-context", "65536", "--kv-cache-tokens", "32768")
+    assert code == 2 and "max_context 65,536 is more than the KV cache pool of 32,768 tokens" in err
     ratio = pooled["per_rank_bytes"]["kv_cache"] / whole["per_rank_bytes"]["kv_cache"]
     assert abs(ratio - 131072 / whole["pool_slots"]) < 1e-4
 

@@ -664,6 +664,10 @@ def plan_memory(
     per_rank, work, slots, pool = per_rank_at(max_context)
     total = sum(per_rank.values())
     largest = _largest_context(lambda t: sum(per_rank_at(t)[0].values()) <= gpu_memory)
+    if kv_cache_tokens is not None:  # one request holds at most the whole pool
+        largest = min(largest, kv_cache_tokens)
+        if max_context > kv_cache_tokens:
+            problems.append(f"max_context {max_context:,} is more than the KV cache pool of {kv_cache_tokens:,} tokens")
     runs = not problems  # a split that does not divide, or a scheme the engine cannot hold, runs at no context
     if total > gpu_memory:
         caches = per_rank["kv_cache"] + per_rank["drafter_kv_cache"]
