@@ -53,6 +53,24 @@ def run(eng: Engine, tokens: dict[int, list[int]], n: int, until: int = 20) -> N
                 tokens[row] += emitted
 
 
+def serve_all(sched: Scheduler, prompts: list[list[int]], sp: SamplingParams = SP) -> list[tuple[Request, list]]:
+    """Submit every prompt to a started scheduler at once, wait for all to end, stop it; returns each
+    request with the events its sink got."""
+    served, waits = [], []
+    try:
+        for prompt in prompts:
+            done, events = threading.Event(), []
+            req = Request(prompt, sp, None, lambda ev: None)
+            req.sink = lambda ev, d=done, got=events: (got.append(ev), (ev.finish_reason or ev.error) and d.set())
+            served.append((req, events))
+            waits.append(done)
+            sched.submit(req)
+        assert all(done.wait(60) for done in waits)
+    finally:
+        sched.stop()
+    return served
+
+
 def cache_bytes(eng: Engine, row: int, n: int) -> torch.Tensor:
     """Logical slots [0, n) of row `row` in the target cache and every drafter layer's."""
     parts = [eng.target.slot_storage()[:, :, eng.target.slot_map[row, :n]].flatten()]
@@ -283,7 +301,7 @@ def test_a_small_pool_admits_by_pages_shares_prefixes_and_refuses_what_never_fit
     metrics = ServerMetrics("test")
     sched = Scheduler(eng, ByteTokenizer(64), metrics, max_waiting=8)
     prompts = [SYSTEM + u for u in (USER_A, USER_B, OTHER[:11], OTHER[5:15], USER_A[:4])]
-    peak, events, waits, ratios = [0], [], [], []
+    peak, ratios = [0], []
     step = eng.step
 
     def gauges() -> tuple[float, float, float]:
@@ -298,20 +316,10 @@ def test_a_small_pool_admits_by_pages_shares_prefixes_and_refuses_what_never_fit
 
     eng.step = watched
     sched.start()
-    reqs = []
-    try:
-        for prompt in prompts[:2] + [huge_prompt] + prompts[2:]:
-            done = threading.Event()
-            req = Request(prompt, SP, None, lambda ev: None)
-            req.sink = lambda ev, d=done, r=req: (ev.finish_reason or ev.error) and (events.append((r, ev)), d.set())
-            reqs.append(req)
-            waits.append(done)
-            sched.submit(req)
-        assert all(done.wait(60) for done in waits)
-    finally:
-        sched.stop()
+    served = serve_all(sched, prompts[:2] + [huge_prompt] + prompts[2:])
+    reqs = [req for req, _ in served]
     huge = reqs.pop(2)
-    errors = [(r, ev) for r, ev in events if ev.error]
+    errors = [(r, events[-1]) for r, events in served if events[-1].error]
     assert [r for r, _ in errors] == [huge] and errors[0][1].error_status == 400
     assert "more than the whole KV cache (160 tokens)" in errors[0][1].error
     assert 9 <= peak[0] <= 10  # the pool used to its end, never past it
@@ -338,27 +346,12 @@ def test_requests_that_outgrow_the_pool_are_preempted_and_resume_where_they_were
     tokenizer = ByteTokenizer(64)
     metrics = ServerMetrics("test")
     sched = Scheduler(eng, tokenizer, metrics, max_waiting=8)
-    streamed: dict[int, list] = {}
-    waits = []
     sched.start()
-    try:
-        reqs = []
-        for prompt in prompts:
-            done = threading.Event()
-            req = Request(prompt, sp, None, lambda ev: None)
-            streamed[req.id] = []
-            req.sink = lambda ev, d=done, r=req: (streamed[r.id].append(ev), (ev.finish_reason or ev.error) and d.set())
-            reqs.append(req)
-            waits.append(done)
-            sched.submit(req)
-        assert all(done.wait(60) for done in waits)
-    finally:
-        sched.stop()
+    served = serve_all(sched, prompts, sp)
     samples = read_samples(metrics.render()[0].decode())
     assert total(samples, "ddtree_preemptions_total") >= 1
     assert total(samples, "ddtree_kv_pages_used") == 0
-    for req, prompt in zip(reqs, prompts):
-        events = streamed[req.id]
+    for (req, events), prompt in zip(served, prompts):
         assert [ev.error for ev in events] == [None] * len(events) and events[-1].finish_reason == "length"
         counts = [ev.completion_tokens for ev in events]
         assert counts == sorted(counts) and counts[-1] == 40

@@ -18,9 +18,9 @@ import urllib.request
 
 import pytest
 
-from ddtree.runtime.pages import PagePool
 from ddtree.serving.metrics import ServerMetrics, read_samples, total
 from server_process import MODEL, Server, assert_openai_error, http, metrics
+from unlimited_pages import UnlimitedPages
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model(MODEL))
 
 
-class ScriptedEngine:
+class ScriptedEngine(UnlimitedPages):
     """Engine stand-in: each request's token stream comes from a script keyed by its first prompt token,
     cut into rounds of the given sizes; step() can be paused to hold requests in their rows."""
 
@@ -124,18 +124,6 @@ class ScriptedEngine:
         self.gate.set()
 
     budgets = None  # a fixed budget, not auto
-
-    # the KV cache's pages: plenty, none shared
-    page_pool = PagePool(1 << 20)
-
-    def pages_needed(self, prompt, params, reuse=False) -> int:
-        return 0
-
-    def request_pages(self, prompt, params) -> int:
-        return 0
-
-    def grow(self, row) -> bool:
-        return True
 
     def plan(self, n):
         from ddtree.runtime.plan import RoundPlan

@@ -18,7 +18,6 @@ from collections import deque
 import pytest
 
 from ddtree.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig
-from ddtree.runtime.pages import PagePool
 from ddtree.serving.prompts import PromptEncoder
 from ddtree.serving.protocol import APIError
 from ddtree.serving.tools import (
@@ -31,6 +30,7 @@ from ddtree.serving.tools import (
     tool_call_grammar,
 )
 from in_process_server import InProcessServer
+from unlimited_pages import UnlimitedPages
 
 MODEL = "smollm2-135m-instruct"
 HERMES, KIMI = FORMATS["hermes"], FORMATS["kimi_k2"]
@@ -394,24 +394,12 @@ def test_control_tokens_outside_message_content_are_refused(tokenizer):
 # ---- the server, with the official client ----------------------------------------------------------
 
 
-class ScriptedEngine:
+class ScriptedEngine(UnlimitedPages):
     """The engine's side of the scheduler, with each request's output tokens taken from `scripts` (one
     script per request, in order) and handed out three per round; the prompts it got are kept."""
 
     max_batch_size, max_seq_len, budget, tree_size, prefill_sizes = 2, 1024, 2, 3, (2048,)
     budgets = None  # a fixed budget, not auto
-
-    # the KV cache's pages: plenty, none shared
-    page_pool = PagePool(1 << 20)
-
-    def pages_needed(self, prompt, params, reuse=False) -> int:
-        return 0
-
-    def request_pages(self, prompt, params) -> int:
-        return 0
-
-    def grow(self, row) -> bool:
-        return True
 
     def __init__(self, eos: int):
         self.eos = eos
