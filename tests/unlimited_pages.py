@@ -13,5 +13,8 @@ class UnlimitedPages:
     def request_pages(self, prompt, params) -> int:
         return 0
 
+    def pages_wanted(self, row) -> int:
+        return 0
+
     def grow(self, row) -> bool:
         return True

@@ -301,33 +301,37 @@ class Engine:
         self._map_row(row)
         return len(shared) * PAGE_SIZE
 
+    def pages_wanted(self, row: int) -> int:
+        """Pages row `row` lacks for its next round: its committed text and a round's tree or drafter
+        block past it."""
+        return self.page_pool.pages_for(self.host_lengths[row] + self.room) - len(self.row_pages[row])
+
     def grow(self, row: int) -> bool:
-        """Give running row `row` the pages its next round can fill: its committed text and a round's tree
-        or drafter block past it. False, taking nothing, when the pool has too few available."""
-        pages = self.row_pages[row]
-        want = self.page_pool.pages_for(self.host_lengths[row] + self.room) - len(pages)
+        """Give row `row` the pages its next round can fill (pages_wanted). False, taking nothing, when
+        the pool has too few available."""
+        want = self.pages_wanted(row)
         if want <= 0:
             return True
         if want > self.page_pool.available:
             return False
+        pages = self.row_pages[row]
         first = len(pages)
         pages += self.page_pool.take(want)
-        self._map_row(row, first)
+        # only the new pages' slots: past them the map already points at the trash slot
+        self._map_row(row, first * PAGE_SIZE, min(len(pages) * PAGE_SIZE, self.max_slots))
         return True
 
-    def _map_row(self, row: int, first: int = 0) -> None:
-        """Write row `row`'s slot map (the target's, which the drafter shares) from its page `first` on:
-        logical slot s is slot s % PAGE_SIZE of its page s // PAGE_SIZE; slots past its pages go to the
-        trash slot."""
+    def _map_row(self, row: int, start: int = 0, end: int | None = None) -> None:
+        """Write row `row`'s slot map (the target's, which the drafter shares) for logical slots start..end
+        (default: all, the logical trash slot max_slots included): slot s is slot s % PAGE_SIZE of its page
+        s // PAGE_SIZE; slots past its pages, and the logical trash slot, go to the trash slot."""
         pages, trash = self.row_pages[row], self.target.pool_slots
-        s = torch.arange(first * PAGE_SIZE, self.max_slots + 1)
+        s = torch.arange(start, self.max_slots + 1 if end is None else end)
         table = torch.full_like(s, trash)
-        if pages:
-            index = s // PAGE_SIZE
-            held = index < len(pages)
-            table[held] = torch.tensor(pages)[index[held]] * PAGE_SIZE + s[held] % PAGE_SIZE
-        table[-1] = trash  # the logical trash slot (max_slots), even where the last page reaches it
-        self.target.slot_map[row, first * PAGE_SIZE :].copy_(table)
+        held = (s // PAGE_SIZE < len(pages)) & (s < self.max_slots)
+        if held.any():
+            table[held] = torch.tensor(pages)[s[held] // PAGE_SIZE] * PAGE_SIZE + s[held] % PAGE_SIZE
+        self.target.slot_map[row, start : start + len(s)].copy_(table)
 
     def cached_text(self, row: int) -> list[int]:
         """The tokens whose keys and values are in slots 0.. of row `row`'s target and drafter caches."""

@@ -352,10 +352,14 @@ class Scheduler:
     def _make_room(self) -> None:
         """Give every running row the pages its next round can fill, oldest request first; while the pool
         has too few, preempt the request admitted last (the one short of pages, if it is that one)."""
+        engine = self.engine
         for row, req in sorted(self._running.items(), key=lambda item: item[1].admitted):
-            while req.row == row and not self.engine.grow(row):
+            # asked locally (no broadcast under tensor parallelism); grow runs only when pages are taken
+            while req.row == row and engine.pages_wanted(row) > engine.page_pool.available:
                 victims = [*self._running.values(), *self._prefilling.values()]
                 self._preempt(max(victims, key=lambda r: r.admitted))
+            if req.row == row and engine.pages_wanted(row) > 0:
+                engine.grow(row)
 
     def _preempt(self, req: Request) -> None:
         """Give `req`'s row and pages back and queue it first, to resume from engine_prompt."""
