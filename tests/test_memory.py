@@ -109,22 +109,32 @@ def planned_weights(plan) -> dict[str, int]:
     return {k: v for k, v in plan.per_rank_bytes.items() if k in WEIGHT_KINDS and v}
 
 
-@pytest.mark.parametrize("with_drafter", [False, True], ids=["alone", "drafter"])
-@pytest.mark.parametrize("name", list(TINY))
-def test_the_plan_is_what_the_engine_allocates(name, with_drafter):
-    hf, target = tiny(name)
-    drafter = random_drafter(target, layers=2, block_size=8) if with_drafter else None
-    context, batch, budget = 100, 3, 5
-    engine = Engine(target, drafter, "ddtree" if drafter else "ar", budget if drafter else None, batch, context)
+def engine_and_plan(hf, target, drafter, context: int, batch: int, budget: int, pool: int | None = None):
+    """An Engine of these models (ddtree with a drafter, else ar) and the plan of the same settings."""
+    budget_or_none = budget if drafter else None
+    engine = Engine(
+        target, drafter, "ddtree" if drafter else "ar", budget_or_none, batch, context, kv_cache_tokens=pool
+    )
     plan = plan_memory(
         hf,
         gpus=1,
         gpu_memory=B300,
         max_context=context,
         max_batch=batch,
+        kv_cache_tokens=pool,
         drafter_config=drafter.config.to_hf() if drafter else None,
-        budget=budget if drafter else None,
+        budget=budget_or_none,
     )
+    return engine, plan
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["alone", "drafter"])
+@pytest.mark.parametrize("name", list(TINY))
+def test_the_plan_is_what_the_engine_allocates(name, with_drafter):
+    hf, target = tiny(name)
+    drafter = random_drafter(target, layers=2, block_size=8) if with_drafter else None
+    context, batch, budget = 100, 3, 5
+    engine, plan = engine_and_plan(hf, target, drafter, context, batch, budget)
     held = held_bytes(target) | (held_bytes(drafter, drafter=True) if drafter else {})
     assert planned_weights(plan) == held
     assert plan.per_rank_bytes["kv_cache"] == target.cache_storage.nbytes
@@ -141,17 +151,7 @@ def test_a_smaller_page_pool_is_what_the_engine_allocates():
     hf, target = tiny("qwen3")
     drafter = random_drafter(target, layers=2, block_size=8)
     context, batch, pool = 100, 3, 150  # 10 pages, less than 3 rows of 100 tokens
-    engine = Engine(target, drafter, "ddtree", 5, batch, context, kv_cache_tokens=pool)
-    plan = plan_memory(
-        hf,
-        gpus=1,
-        gpu_memory=B300,
-        max_context=context,
-        max_batch=batch,
-        kv_cache_tokens=pool,
-        drafter_config=drafter.config.to_hf(),
-        budget=5,
-    )
+    engine, plan = engine_and_plan(hf, target, drafter, context, batch, 5, pool)
     assert plan.pool_slots == engine.page_pool.pages * PAGE_SIZE == 160 < plan.cache_slots * batch
     assert plan.per_rank_bytes["kv_cache"] == target.cache_storage.nbytes
     assert plan.per_rank_bytes["drafter_kv_cache"] == drafter_cache_bytes(drafter)
