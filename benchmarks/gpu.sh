@@ -10,6 +10,8 @@
 #            its per-phase table under CUDA graphs (bench.md)
 # smollm2    SmolLM2-135M-Instruct with the shipped drafter: tokens/s and acceptance by batch size
 # serve      `ddtree serve` + `ddtree bench-serve` at 1..64 clients for ar, dflash and ddtree
+# serve-8b   (not in the default set) the same load on the Qwen3-8B shape (random weights, random 5-layer
+#            drafter: cost only), every request a 1000-token system prompt plus a user turn of 50..300 tokens
 # budget-auto (not in the default set) the same load for ddtree with --budget auto against budgets 8, 16, 32,
 #            64 and the per-batch-size policy of the smollm2 part
 # gpu-tests  the tests marked gpu
@@ -44,8 +46,8 @@ PARTS=("$@")
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
 for part in "${PARTS[@]}"; do
   case $part in
-    micro|rounds|smollm2|serve|budget-auto|gpu-tests|kernels|moe|quant|load|first-pass|prefix-cache) ;;
-    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, budget-auto, gpu-tests, kernels, moe, quant, load," \
+    micro|rounds|smollm2|serve|serve-8b|budget-auto|gpu-tests|kernels|moe|quant|load|first-pass|prefix-cache) ;;
+    *) echo "unknown part '$part' (micro, rounds, smollm2, serve, serve-8b, budget-auto, gpu-tests, kernels, moe, quant, load," \
          "first-pass, prefix-cache)" >&2
        exit 2 ;;
   esac
@@ -57,23 +59,24 @@ mkdir -p "$OUT_DIR"
 ddtree() { $PY -m ddtree "$@"; }
 log() { printf '\n==> %s\n' "$*" >&2; }
 
-# serve_and_bench DIR NAME SERVE_FLAGS...: SmolLM2 with the shipped drafter behind `ddtree serve` (64 rows),
-# one unmeasured pass, then bench-serve at 1, 8, 32 and 64 clients into DIR/NAME.jsonl, and the server's
-# metrics at the end into DIR/NAME.metrics (rounds by budget, forecast against accepted tokens);
-# DDTREE_BENCH_REQUESTS requests per client (default 4)
+# serve_and_bench DIR NAME SERVE_FLAGS...: the model in MODEL (default SmolLM2 with the shipped drafter) behind
+# `ddtree serve` (64 rows), one unmeasured pass, then bench-serve at 1, 8, 32 and 64 clients (with the extra
+# flags in LOAD) into DIR/NAME.jsonl, and the server's metrics at the end into DIR/NAME.metrics (rounds by
+# budget, forecast against accepted tokens, preemptions); DDTREE_BENCH_REQUESTS requests per client (default 4)
 serve_and_bench() {
   local dir=$1 name=$2
   shift 2
   local port server client
+  local model=("${MODEL[@]:-${SMOL[@]}}") load=("${LOAD[@]}")
   port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  $PY -m ddtree serve "${SMOL[@]}" "$@" --max-batch-size 64 --kernels triton --port "$port" \
+  $PY -m ddtree serve "${model[@]}" "$@" --max-batch-size 64 --kernels triton --port "$port" \
     > "$dir/$name.log" 2>&1 &
   server=$!
   # a first pass over the prompts: the steady state after it is what is measured
   { $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --concurrency 16 --requests-per-client 1 \
-      --max-tokens 16 --json > "$dir/$name-warmup.jsonl" &&
+      --max-tokens 16 "${load[@]}" --json > "$dir/$name-warmup.jsonl" &&
     $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --concurrency 1,8,32,64 \
-      --requests-per-client "${DDTREE_BENCH_REQUESTS:-4}" --max-tokens 128 --json > "$dir/$name.jsonl" &&
+      --requests-per-client "${DDTREE_BENCH_REQUESTS:-4}" --max-tokens 128 "${load[@]}" --json > "$dir/$name.jsonl" &&
     $PY -c 'import sys, urllib.request
 sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' "http://127.0.0.1:$port/metrics" \
       > "$dir/$name.metrics"; } &
@@ -98,6 +101,7 @@ sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' "http://1
 } > "$OUT_DIR/host.json"
 
 SMOL=(--model smollm2-135m-instruct --drafter smollm2-135m-instruct-dflash)
+MODEL=() LOAD=()
 
 for part in "${PARTS[@]}"; do
   case $part in
@@ -166,6 +170,17 @@ except (OSError, KeyError, TypeError):
     print(sys.argv[2])' "$OUT_DIR/smollm2/bench.json" "${DDTREE_SERVE_BUDGET:-1:128,4:8,16:8,64:0}")")
         fi
         serve_and_bench "$OUT_DIR/serve" "$method" --method "$method" "${budget[@]}"
+      done ;;
+    serve-8b)
+      mkdir -p "$OUT_DIR/serve-8b"
+      for method in ar dflash ddtree; do
+        log "serve-8b: $method behind ddtree serve, 1..64 clients, a shared system prompt"
+        budget=()
+        [[ $method == ddtree ]] && budget=(--budget "${DDTREE_SERVE_8B_BUDGET:-8}")
+        MODEL=(--model random:qwen3-8b --drafter random:5)
+        LOAD=(--completions --system-prompt-tokens 1000 --prompt-lengths uniform:50:300 --seed 0)
+        serve_and_bench "$OUT_DIR/serve-8b" "$method" --method "$method" "${budget[@]}"
+        MODEL=() LOAD=()
       done ;;
     budget-auto)
       mkdir -p "$OUT_DIR/budget-auto"
