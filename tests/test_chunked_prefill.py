@@ -92,18 +92,23 @@ def test_prefill_between_rounds_leaves_running_rows_and_itself_as_alone(
     assert got[prefilling_row][:24] == alone(LONG)
 
 
+class Recording(Engine):
+    """Records the (batch rows, chunk size, attention span) of every prefill forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shapes: set[tuple[int, int, int]] = set()
+
+    def _prefill_forward(self, part, size, rows, span):
+        self.shapes.add((rows, size, span))
+        return super()._prefill_forward(part, size, rows, span)
+
+
 def test_warm_up_runs_every_prefill_shape_a_request_meets(tiny_target, tiny_drafter):
-    """Prompts of every length, prefilled with any per-call budget, meet only (chunk size, attention span)
-    shapes that warm_up ran; warm_up leaves no row in use."""
-
-    class Recording(Engine):
-        def _prefill_chunk(self, row, chunk, start):
-            self.shapes.add((self._padded(len(chunk)), self.prefill_span(start, self._padded(len(chunk)))))
-            return super()._prefill_chunk(row, chunk, start)
-
+    """Prompts of every length, prefilled with any per-call budget, meet only (rows, chunk size, attention
+    span) shapes that warm_up ran; warm_up leaves no row in use."""
     eng = Recording(tiny_target, tiny_drafter, "ddtree", 8, max_batch_size=1, max_seq_len=600, prefill_chunk=64)
     eng.fixed_prefill_shapes = True  # as on CUDA
-    eng.shapes = set()
     eng.warm_up()
     warmed, eng.shapes = eng.shapes, set()
     assert eng.host_active == [False] and eng.host_lengths == [0] and not eng.prefills
@@ -115,7 +120,74 @@ def test_warm_up_runs_every_prefill_shape_a_request_meets(tiny_target, tiny_draf
         while eng.prefill(0, budget) is None:
             pass
     assert eng.shapes and eng.shapes <= warmed, sorted(eng.shapes - warmed)
-    assert {size for size, _ in warmed} == {16, 32, 64}
+    assert {size for _, size, _ in warmed} == {16, 32, 64}
+
+
+def test_warm_up_runs_every_shape_of_prefills_shared_by_rows(tiny_target):
+    """Several rows' chunks in one forward meet only shapes warm_up ran: rows padded to a power of two, and
+    never more than the largest chunk's tokens in one forward."""
+    eng = Recording(tiny_target, None, "ar", max_batch_size=6, max_seq_len=300, prefill_chunk=64)
+    eng.fixed_prefill_shapes = True  # as on CUDA
+    eng.warm_up()
+    warmed, eng.shapes = eng.shapes, set()
+    assert {(rows, size) for rows, size, _ in warmed} == {(1, 16), (2, 16), (4, 16), (1, 32), (2, 32), (1, 64)}
+    g = torch.Generator().manual_seed(3)
+    sp = SamplingParams(max_new_tokens=1)
+    for _ in range(12):
+        for row in range(6):
+            length = int(torch.randint(1, 300, (), generator=g))
+            eng.begin(row, torch.randint(0, 60, (length,), generator=g).tolist(), sp)
+        while eng.prefills:  # the scheduler's way: up to one chunk of tokens per call, oldest row first
+            budget, takes = 64, []
+            for row, job in eng.prefills.items():
+                take = min(len(job.prompt) - job.done, budget, int(torch.randint(1, 64, (), generator=g)))
+                if take > 0:
+                    takes.append((row, take))
+                    budget -= take
+            eng.prefill_many(takes)
+    assert eng.shapes and eng.shapes <= warmed, sorted(eng.shapes - warmed)
+    assert {rows for rows, _, _ in eng.shapes} >= {1, 2, 4}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 8)])
+def test_prefill_many_leaves_each_row_as_alone(tiny_target, tiny_drafter, method, budget, padded):
+    """Chunks of three rows at different positions in shared forwards (on CUDA's fixed shapes: padded to a
+    prefill size, rows padded to a power of two by copies that write nowhere) leave each row's target and
+    drafter caches as one forward of its prompt does, and each row then generates what it does alone."""
+    drafter = tiny_drafter if method != "ar" else None
+    models = [tiny_target.model] + ([tiny_drafter] if drafter else [])
+    sp = SamplingParams(max_new_tokens=12)
+    prompts = {0: LONG, 1: SHORT, 2: LONG[5:45]}
+
+    def alone(prompt):
+        eng = Engine(tiny_target, drafter, method, budget, max_batch_size=1, max_seq_len=128)
+        first = eng.add_many([0], [prompt], sp)[0]
+        cache = caches(models, 0, len(prompt)).clone()
+        out = [first]
+        while len(out) < 12:
+            out += eng.step(1)[0]
+        return cache, out[:12]
+
+    eng = Engine(tiny_target, drafter, method, budget, max_batch_size=3, max_seq_len=128, prefill_chunk=64)
+    eng.fixed_prefill_shapes = padded
+    for row, prompt in prompts.items():
+        eng.begin(row, prompt, sp)
+    got: dict[int, list[int]] = {}
+    # three chunks of one padded size (four rows on CUDA), then two of different sizes at other positions
+    for takes in ([(0, 16), (1, 3), (2, 10)], [(0, 54), (2, 30)]):
+        for (row, _), first in zip(takes, eng.prefill_many(takes)):
+            if first is not None:
+                got[row] = [first]
+    assert sorted(got) == [0, 1, 2] and not eng.prefills
+    cache = {row: caches(models, row, len(prompt)).clone() for row, prompt in prompts.items()}
+    while min(len(t) for t in got.values()) < 12:
+        for row, toks in enumerate(eng.step(3)):
+            got[row] += toks
+    for row, prompt in prompts.items():
+        want_cache, want = alone(prompt)
+        torch.testing.assert_close(cache[row], want_cache, atol=1e-5, rtol=1e-5)
+        assert got[row][:12] == want, row
 
 
 class Timeline(Engine):
@@ -125,9 +197,9 @@ class Timeline(Engine):
         super().__init__(*args, **kwargs)
         self.events: list[tuple[str, int]] = []
 
-    def _prefill_chunk(self, row, chunk, start):
-        self.events.append(("prefill", len(chunk)))
-        return super()._prefill_chunk(row, chunk, start)
+    def _prefill_forward(self, part, size, rows, span):
+        self.events.append(("prefill", len(part)))
+        return super()._prefill_forward(part, size, rows, span)
 
     def step(self, n):
         self.events.append(("round", n))
@@ -195,3 +267,30 @@ def test_a_request_being_admitted_when_the_engine_fails_gets_an_error(tiny_targe
     finally:
         sched.stop()
     assert events[-1].error_status == 503 and "device lost" in events[-1].error
+
+
+def test_scheduler_prefills_the_requests_it_admits_together_in_one_forward(tiny_target, tiny_drafter):
+    """Requests admitted in one iteration go into the caches in one prefill forward (their prompt tokens
+    within prefill_chunk), and each produces what it produces alone."""
+    from ddtree.models.random import ByteTokenizer
+
+    prompts = [SHORT, LONG[:40], LONG[10:60]]
+    sp = SamplingParams(max_new_tokens=10)
+    eng = Timeline(tiny_target, tiny_drafter, "ddtree", 8, max_batch_size=3, max_seq_len=128, prefill_chunk=128)
+    sched = Scheduler(eng, ByteTokenizer(64), ServerMetrics("test"), max_waiting=3)
+    done = [threading.Event() for _ in prompts]
+    reqs = [
+        Request(p, sp, None, lambda ev, d=d: (ev.finish_reason or ev.error) and d.set()) for p, d in zip(prompts, done)
+    ]
+    sched.start()
+    try:
+        with sched._cv:  # the engine thread waits for this lock: its first iteration admits all three
+            for req in reqs:
+                sched.submit(req)
+        assert all(d.wait(30) for d in done)
+    finally:
+        sched.stop()
+    assert eng.events[0] == ("prefill", 3) and [kind for kind, _ in eng.events].count("prefill") == 1
+    alone = Engine(tiny_target, tiny_drafter, "ddtree", 8, max_batch_size=1, max_seq_len=128)
+    for req, prompt in zip(reqs, prompts):
+        assert req.token_ids == alone.generate([prompt], sp)[0].token_ids

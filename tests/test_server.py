@@ -151,6 +151,9 @@ class ScriptedEngine(UnlimitedPages):
     def prefill(self, row, budget):
         return self.add(row, *self.pending.pop(row))
 
+    def prefill_many(self, takes):
+        return [self.prefill(row, take) for row, take in takes]
+
     def step(self, n):
         self.gate.wait(10)
         out = []

@@ -429,6 +429,9 @@ class ScriptedEngine(UnlimitedPages):
         self.rows[row] = tokens[1:]
         return tokens[0]
 
+    def prefill_many(self, takes):
+        return [self.prefill(row, take) for row, take in takes]
+
     def step(self, n):
         out = []
         for row in range(n):

@@ -349,23 +349,40 @@ class Engine:
 
         Between chunks the row takes part in rounds as an inactive row: its length is the prefilled count,
         and a round writes nothing into its caches (its tree and block go to the trash slot)."""
-        job = self.prefills[row]
-        hidden, used, budget = None, 0, max(1, budget)
-        while job.done < len(job.prompt) and used < budget:
-            take = min(len(job.prompt) - job.done, self.prefill_sizes[-1], budget - used)
-            hidden = self._prefill_chunk(row, job.prompt[job.done : job.done + take], job.done)
+        job, budget, first = self.prefills[row], max(1, budget), None
+        while first is None and budget > 0:
+            take = min(len(job.prompt) - job.done, self.prefill_sizes[-1], budget)
+            first = self.prefill_many([(row, take)])[0]
+            budget -= take
+        return first
+
+    @torch.inference_mode()
+    def prefill_many(self, takes: list[tuple[int, int]]) -> list[int | None]:
+        """Prefill the next `take` prompt tokens (1 to one chunk, prefill_sizes[-1]) of each (row, take),
+        several rows in one forward (_prefill_chunks); for each row, its first generated token if its whole
+        prompt is now in the caches, else None."""
+        chunks = []
+        for row, take in takes:
+            job = self.prefills[row]
+            if not 0 < take <= min(self.prefill_sizes[-1], len(job.prompt) - job.done):
+                raise ValueError(f"row {row}: cannot prefill {take} tokens ({len(job.prompt) - job.done} left)")
+            chunks.append((row, job.prompt[job.done : job.done + take], job.done))
+        hidden = self._prefill_chunks(chunks)
+        firsts: list[int | None] = []
+        for (row, take), last in zip(takes, hidden):
+            job = self.prefills[row]
             job.done += take
-            used += take
             self.lengths[row] = job.done
             self.host_lengths[row] = job.done
-        if job.done < len(job.prompt):
-            return None
-        del self.prefills[row]
-        assert hidden is not None
-        first = self._start([row], [len(job.prompt)], job.params, hidden[None])[0]
-        self.texts[row] = job.prompt + [first]
-        self.page_pool.publish(self.row_pages[row], job.prompt)  # its full pages, for prompts that start alike
-        return first
+            if job.done < len(job.prompt):
+                firsts.append(None)
+                continue
+            del self.prefills[row]
+            first = self._start([row], [len(job.prompt)], job.params, last[None])[0]
+            self.texts[row] = job.prompt + [first]
+            self.page_pool.publish(self.row_pages[row], job.prompt)  # its full pages, for prompts that start alike
+            firsts.append(first)
+        return firsts
 
     def prefill_span(self, start: int, tokens: int) -> int:
         """Cache slots a prefill chunk of `tokens` (padded) tokens at `start` attends over: a span bucket."""
@@ -375,24 +392,66 @@ class Engine:
     def _padded(self, tokens: int) -> int:
         return next(s for s in self.prefill_sizes if s >= tokens)
 
-    def _prefill_chunk(self, row: int, chunk: list[int], start: int) -> Tensor:
-        """One prefill forward of `chunk` (padded to a prefill size; padding writes to the trash slot and no
-        mask shows it) at positions start.. of row `row`; returns the last real token's hidden state."""
-        dev, r = self.device, len(chunk)
-        size = self._padded(r) if self.fixed_prefill_shapes else r
-        span = self.prefill_span(start, size) if self.fixed_prefill_shapes else start + r
-        tokens = torch.tensor([chunk + [0] * (size - r)], device=dev)
+    def prefill_rows(self, size: int) -> list[int]:
+        """The batch rows a prefill forward of chunks of `size` (padded) tokens runs at on CUDA: powers of two
+        up to the engine's rows, their tokens at most the largest chunk (prefill_batches)."""
+        most = min(1 << (self.max_batch_size - 1).bit_length(), max(1, self.prefill_sizes[-1] // size))
+        return [1 << i for i in range(most.bit_length()) if 1 << i <= most]
+
+    def prefill_batches(self, sizes: list[int]) -> list[list[int]]:
+        """Which chunks (of these token counts) share a prefill forward: on CUDA those of one padded size,
+        as many as fill the largest chunk (rows x size), so that a forward meets the shapes warm_up ran;
+        on the CPU, where nothing is compiled per shape, all of them."""
+        if not self.fixed_prefill_shapes:
+            return [list(range(len(sizes)))] if sizes else []
+        batches: dict[int, list[list[int]]] = {}
+        for i, n in enumerate(sizes):
+            size = self._padded(n)
+            groups = batches.setdefault(size, [[]])
+            if len(groups[-1]) == self.prefill_rows(size)[-1]:
+                groups.append([])
+            groups[-1].append(i)
+        return [group for size in sorted(batches) for group in batches[size]]
+
+    def _prefill_chunks(self, chunks: list[tuple[int, list[int], int]]) -> list[Tensor]:
+        """Prefill forwards of chunks (row, tokens, start): each puts `tokens` at positions start.. of its
+        row; returns each chunk's last real token's hidden state. Chunks share a forward as prefill_batches
+        says, right-padded to one size (a prefill size on CUDA) and, on CUDA, padded to a power of two rows
+        by copies of the first whose writes go to the trash slot; no mask shows padding."""
+        out: list[Tensor] = [None] * len(chunks)  # type: ignore[list-item]
+        for batch in self.prefill_batches([len(tokens) for _, tokens, _ in chunks]):
+            part = [chunks[i] for i in batch]
+            longest = max(len(tokens) for _, tokens, _ in part)
+            if self.fixed_prefill_shapes:
+                size = self._padded(longest)
+                rows = 1 << (len(part) - 1).bit_length()
+                span = max(self.prefill_span(start, size) for _, _, start in part)
+            else:
+                size, rows = longest, len(part)
+                span = max(start + len(tokens) for _, tokens, start in part)
+            for i, hidden in zip(batch, self._prefill_forward(part, size, rows, span)):
+                out[i] = hidden
+        return out
+
+    def _prefill_forward(self, part: list[tuple[int, list[int], int]], size: int, rows: int, span: int) -> list[Tensor]:
+        """One forward of `rows` batch rows of `size` tokens over `span` cache slots: the chunks of `part`,
+        then copies of the first that write nowhere."""
+        dev = self.device
+        fill = [part[0]] * (rows - len(part))
+        tokens = torch.tensor([t + [0] * (size - len(t)) for _, t, _ in part + fill], device=dev)
+        n = torch.tensor([len(t) for _, t, _ in part] + [0] * len(fill), device=dev)
+        start = torch.tensor([s for _, _, s in part + fill], device=dev)
+        index = torch.tensor([row for row, _, _ in part + fill], device=dev)
         j = torch.arange(size, device=dev)
-        positions = (start + j)[None]
-        real = j < r
-        slots = torch.where(real, start + j, self.target.trash_slot)[None]
-        mask = (torch.arange(span, device=dev)[None, :] <= (start + j)[:, None]).view(1, 1, size, span)
-        rows = torch.tensor([row], device=dev)
-        hidden, taps = self.target(tokens, positions, slots, mask, self.tap_layers, logits=False, rows=rows)
+        positions = start[:, None] + j
+        real = j < n[:, None]  # [rows, size]: chunk tokens, not padding (none in the copies)
+        slots = torch.where(real, positions, self.target.trash_slot)
+        mask = (torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None]).view(rows, 1, size, span)
+        hidden, taps = self.target(tokens, positions, slots, mask, self.tap_layers, logits=False, rows=index)
         if self.drafter is not None:
-            ctx_slots = torch.where(real, start + j, self.drafter.max_slots)[None]
-            self.drafter.append_context(taps, positions, ctx_slots, rows=rows)
-        return hidden[0, r - 1]
+            ctx_slots = torch.where(real, positions, self.drafter.max_slots)
+            self.drafter.append_context(taps, positions, ctx_slots, rows=index)
+        return [hidden[i, len(t) - 1] for i, (_, t, _) in enumerate(part)]
 
     def _start(self, rows: list[int], lengths: list[int], params: SamplingParams, last: Tensor) -> list[int]:
         """Activate prefilled rows (prompts of `lengths` tokens): their first tokens from each prompt's last
@@ -429,9 +488,10 @@ class Engine:
                 at = max(0, span - size)
                 real = min(size, self.max_seq_len - at)  # a chunk's tokens never pass the context
                 if real > 0 and self._padded(real) == size and self.prefill_span(at, size) == span:
-                    self._prefill_chunk(0, [0] * real, at)
+                    for rows in self.prefill_rows(size):
+                        self._prefill_forward([(0, [0] * real, at)] * rows, size, rows, span)
         for temperature in (0.0, 1.0):
-            self._start([0], [1], SamplingParams(temperature=temperature), self._prefill_chunk(0, [0], 0)[None])
+            self._start([0], [1], SamplingParams(temperature=temperature), self._prefill_chunks([(0, [0], 0)])[0][None])
         self.release(0)
         self.warm_up_seconds = time.perf_counter() - start
         return self.warm_up_seconds

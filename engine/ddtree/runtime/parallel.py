@@ -261,6 +261,7 @@ ENGINE_CALLS = (
     "add_many",
     "begin",
     "prefill",
+    "prefill_many",
     "grow",
     "step",
     "release",
@@ -312,6 +313,9 @@ class Leader:
 
     def prefill(self, row: int, budget: int) -> int | None:
         return self._call("prefill", row, budget)
+
+    def prefill_many(self, takes: list[tuple[int, int]]) -> list[int | None]:
+        return self._call("prefill_many", [(row, take) for row, take in takes])
 
     def grow(self, row: int) -> bool:
         return self._call("grow", row)

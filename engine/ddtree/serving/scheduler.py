@@ -4,8 +4,9 @@ One engine thread owns the Engine. Each iteration it
   1. drops cancelled requests (a disconnected client frees its row between rounds),
   2. admits waiting requests into free rows, lowest row first, while the KV cache has their pages
      (`engine.begin`),
-  3. prefills at most one chunk's worth of prompt tokens (`engine.prefill`, prefill_chunk tokens, oldest
-     admitted request first); a request whose prompt is all in gets its first token and starts running,
+  3. prefills at most one chunk's worth of prompt tokens (`engine.prefill_many`, prefill_chunk tokens,
+     oldest admitted request first, several requests' chunks in one forward); a request whose prompt is
+     all in gets its first token and starts running,
   4. gives every running row the KV cache pages its round can fill (`engine.grow`), preempting the
      request admitted last while the pool has too few, then runs one round on rows [0, n), n = highest
      running row + 1 (`engine.step`), and holds the tokens of requests with a grammar to it
@@ -373,25 +374,32 @@ class Scheduler:
             self.metrics.requests_waiting.set(len(self._waiting))
 
     def _prefill(self) -> None:
-        """Prefill up to prefill_budget prompt tokens, oldest admitted request first; requests whose prompt
-        is all in start running with their first token."""
-        budget = self.prefill_budget
-        for row, req in list(self._prefilling.items()):
+        """Prefill up to prefill_budget prompt tokens, oldest admitted request first, the chunks of several
+        requests in one forward (engine.prefill_many); requests whose prompt is all in start running with
+        their first token."""
+        budget, takes = self.prefill_budget, []
+        for row, req in self._prefilling.items():
             if budget <= 0:
                 break
             take = min(len(req.engine_prompt) - req.prefilled, budget)
-            t0 = time.perf_counter()
-            try:
-                first = self.engine.prefill(row, take)
-            except RuntimeError as exc:  # out of memory during the prefill, and friends: refuse, keep serving
-                log.warning("prefill failed: %s", exc)
-                self._error(req, 503, f"prefill failed: {type(exc).__name__}: {exc}")
-                _empty_cache(self.engine)
-                continue
-            now = time.perf_counter()
-            req.prefilled += take
-            req.prefill_seconds += now - t0
+            takes.append((row, take))
             budget -= take
+        if not takes:
+            return
+        t0 = time.perf_counter()
+        try:
+            firsts = self.engine.prefill_many(takes)
+        except RuntimeError as exc:  # out of memory during the prefill, and friends: refuse, keep serving
+            log.warning("prefill failed: %s", exc)
+            for row, _ in takes:
+                self._error(self._prefilling[row], 503, f"prefill failed: {type(exc).__name__}: {exc}")
+            _empty_cache(self.engine)
+            return
+        now = time.perf_counter()
+        for (row, take), first in zip(takes, firsts):
+            req = self._prefilling[row]
+            req.prefilled += take
+            req.prefill_seconds += now - t0  # the forward it shared
             if first is None:
                 continue
             if req.constraint is not None:
