@@ -160,7 +160,10 @@ class ServerMetrics:
             "ddtree_engine_step_seconds", "Time inside engine.step per round", ROUND_BUCKETS
         )
         self.prefill_seconds = histogram(
-            "ddtree_prefill_seconds", "Time inside engine.prefill per request (all its chunks)", LATENCY_BUCKETS
+            "ddtree_prefill_seconds",
+            "Time inside engine.prefill_many per scheduler iteration that prefilled (the chunks of every request "
+            "it prefilled)",
+            ROUND_BUCKETS,
         )
         self.scheduler_iteration_seconds = histogram(
             "ddtree_scheduler_iteration_seconds",

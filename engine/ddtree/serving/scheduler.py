@@ -150,7 +150,6 @@ class Request:
         self.arrival = time.perf_counter()
         self.row: int | None = None  # the engine row while admitted
         self.prefilled = 0  # prompt tokens in the engine's caches
-        self.prefill_seconds = 0.0  # time inside engine.prefill, all chunks
         self.token_ids: list[int] = []
         self.text = ""  # complete text so far (cut at a stop string)
         self.sent = 0  # characters of self.text already handed to the sink
@@ -396,10 +395,10 @@ class Scheduler:
             _empty_cache(self.engine)
             return
         now = time.perf_counter()
+        self.metrics.prefill_seconds.observe(now - t0)
         for (row, take), first in zip(takes, firsts):
             req = self._prefilling[row]
             req.prefilled += take
-            req.prefill_seconds += now - t0  # the forward it shared
             if first is None:
                 continue
             if req.constraint is not None:
@@ -413,7 +412,6 @@ class Scheduler:
             if req.resumed:  # its next token, after a pause
                 self._deliver(req, [first], now)
                 continue
-            self.metrics.prefill_seconds.observe(req.prefill_seconds)
             self.metrics.prompt_tokens.inc(len(req.prompt_ids))
             self.metrics.time_to_first_token.observe(now - req.arrival)
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.skip_special_tokens)
