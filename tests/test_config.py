@@ -42,6 +42,14 @@ def test_defaults():
             "serving.kv_cache_tokens must hold one request of serving.max_seq_len (4096 tokens), got 4000",
         ),
         ({"serving": {"kv_cache_tokens": 2047}}, "serving.kv_cache_tokens must hold one request of"),
+        (
+            {"serving": {"kv_cache_tokens": 4096, "gpu_memory_utilization": 0.9}},
+            "give serving.kv_cache_tokens or serving.gpu_memory_utilization, not both",
+        ),
+        (
+            {"serving": {"gpu_memory_utilization": 1.2}},
+            "serving.gpu_memory_utilization must be more than 0 and at most 1, got 1.2",
+        ),
         ({"serving": {"max_waiting": -1}}, "serving.max_waiting must be >= 0"),
         ({"serving": {"served_model_name": " "}}, "serving.served_model_name must not be empty"),
         ({"serving": {"port": "80"}}, "serving.port must be an integer"),

@@ -18,11 +18,13 @@ import torch
 from torch import nn
 
 from ddtree.cli import main
+from ddtree.config import ConfigError, EngineConfig
 from ddtree.models.memory import KINDS, RESERVE_BYTES, WEIGHT_KINDS, GiB, parse_size, plan_memory
 from ddtree.models.quant import quantize_modules
 from ddtree.models.quant_config import parse_quantization
 from ddtree.models.random import random_hf_config, random_model
 from ddtree.models.registry import config_from_hf, family_for
+from ddtree.runtime.build import pool_within_memory
 from ddtree.runtime.engine import Engine
 from ddtree.runtime.pages import PAGE_SIZE
 from ddtree.runtime.parallel import shard, split_drafter
@@ -156,6 +158,39 @@ def test_a_smaller_page_pool_is_what_the_engine_allocates():
     assert plan.per_rank_bytes["kv_cache"] == target.cache_storage.nbytes
     assert plan.per_rank_bytes["drafter_kv_cache"] == drafter_cache_bytes(drafter)
     assert "x a pool of 160 slots" in plan.render()
+
+
+def test_a_share_of_gpu_memory_is_the_largest_pool_within_it():
+    """gpu_memory_utilization: the pool is the most whole pages that keep the plan's total within that share
+    of the GPU, and one more page would pass it; the engine allocates that pool as kv_cache_tokens."""
+    hf, target = tiny("qwen3")
+    drafter = random_drafter(target, layers=2, block_size=8)
+    args = dict(
+        gpus=1, gpu_memory=4 * GiB, max_context=100, max_batch=3, drafter_config=drafter.config.to_hf(), budget=5
+    )
+    plan = plan_memory(hf, gpu_memory_utilization=0.9, **args)
+    assert plan.fits and plan.pool_slots % PAGE_SIZE == 0 and plan.pool_slots > 3 * plan.cache_slots
+    assert (
+        plan.total_per_rank
+        <= 0.9 * 4 * GiB
+        < plan_memory(hf, kv_cache_tokens=plan.pool_slots + 16, **args).total_per_rank
+    )
+    assert f"what 0.9 of each GPU's memory leaves: {plan.pool_slots:,} tokens" in plan.render()
+    assert plan.max_context_that_fits <= plan.pool_slots
+    engine = Engine(target, drafter, "ddtree", 5, 3, 100, kv_cache_tokens=plan.pool_slots)
+    assert plan.per_rank_bytes["kv_cache"] == target.cache_storage.nbytes
+    assert plan.per_rank_bytes["drafter_kv_cache"] == drafter_cache_bytes(drafter) and engine.page_pool.pages > 0
+    # a share that leaves no page, or less than one request, does not fit; both ways of sizing are refused
+    small = plan_memory(hf, gpu_memory_utilization=plan.total_per_rank / (4 * GiB) / 40, **args)
+    assert not small.fits and small.reason.startswith("no KV cache page fits: everything else needs ")
+    rest = plan.total_per_rank - plan.per_rank_bytes["kv_cache"] - plan.per_rank_bytes["drafter_kv_cache"]
+    per_token = plan.kv_bytes_per_token + plan.drafter_kv_bytes_per_token
+    short = plan_memory(hf, gpu_memory_utilization=(rest + 60 * per_token) / (4 * GiB), **args)
+    assert not short.fits and "max_context 100 is more than the KV cache pool of 48 tokens" in short.reason
+    with pytest.raises(ValueError, match="not both"):
+        plan_memory(hf, gpu_memory_utilization=0.9, kv_cache_tokens=4096, **args)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        plan_memory(hf, gpu_memory_utilization=1.5, **args)
 
 
 def test_budget_zero_loads_the_drafter_but_gives_it_no_cache():
@@ -354,6 +389,11 @@ def test_plan_command_takes_the_page_pool(capsys):
     assert code == 2 and "max_context 65,536 is more than the KV cache pool of 32,768 tokens" in err
     ratio = pooled["per_rank_bytes"]["kv_cache"] / whole["per_rank_bytes"]["kv_cache"]
     assert abs(ratio - 131072 / whole["pool_slots"]) < 1e-4
+    code, out, _ = plan_cli(
+        capsys, *args, "--max-context", "65536", "--max-batch", "8", "--gpu-memory-utilization", "0.9"
+    )
+    shared = json.loads(out)
+    assert code == 0 and shared["total_per_rank"] <= 0.9 * 141 * 2**30 and shared["pool_slots"] > whole["pool_slots"]
 
 
 def test_plan_command_refuses_in_one_line_and_exits_2(capsys, tmp_path):
@@ -388,6 +428,15 @@ def test_plan_command_json(capsys, tmp_path):
             ["--model", "random:tiny", "--gpus", "1", "--gpu-memory", "80GB", "--kv-cache-tokens", "0"],
             "--kv-cache-tokens must be >= 1",
         ),
+        (
+            ["--model", "random:tiny", "--gpus", "1", "--gpu-memory", "80GB", "--gpu-memory-utilization", "0"],
+            "--gpu-memory-utilization must be more than 0 and at most 1, got 0.0",
+        ),
+        (
+            ["--model", "random:tiny", "--gpus", "1", "--gpu-memory", "80GB", "--kv-cache-tokens", "4096"]
+            + ["--gpu-memory-utilization", "0.5"],
+            "give --kv-cache-tokens or --gpu-memory-utilization, not both",
+        ),
     ],
 )
 def test_plan_command_bad_input_is_one_line_exit_2(capsys, args, needle):
@@ -412,3 +461,37 @@ def test_the_memory_module_imports_no_torch():
     code = "import sys, ddtree.models.memory; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def share_config(share: float, device: str, max_seq_len: int = 512) -> EngineConfig:
+    serving = {"max_batch_size": 4, "max_seq_len": max_seq_len, "gpu_memory_utilization": share}
+    data = {"model": {"id": "random:tiny", "device": device}, "speculation": {"method": "ar"}, "serving": serving}
+    return EngineConfig.from_dict(data).resolve(default_drafter=False)
+
+
+def test_a_share_of_gpu_memory_needs_a_cuda_device():
+    with pytest.raises(ConfigError, match="serving.gpu_memory_utilization sizes the KV cache from GPU memory"):
+        pool_within_memory(share_config(0.9, "cpu"), "cpu", 1, 4, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_share_of_the_gpu_is_the_pool_the_engine_allocates():
+    """On the GPU, the engine's pool is the plan's for that share (the GPU being free enough), its memory
+    stays within the share, and a share that cannot hold one request is refused at start-up."""
+    from ddtree.runtime.build import build_engine
+
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    engine, _ = build_engine(share_config(0.3, "cuda"))
+    plan = plan_memory(
+        random_hf_config("tiny"), gpus=1, gpu_memory=total, max_context=512, max_batch=4, gpu_memory_utilization=0.3
+    )
+    assert engine.page_pool.pages * PAGE_SIZE == plan.pool_slots > 4 * 512
+    assert torch.cuda.memory_allocated() <= 0.3 * total
+    del engine
+    torch.cuda.empty_cache()
+    kv = plan.per_rank_bytes["kv_cache"] + plan.per_rank_bytes["drafter_kv_cache"]
+    room = plan.total_per_rank - kv + 300 * plan.kv_bytes_per_token  # 300 tokens of cache past the rest
+    with pytest.raises(ConfigError, match="max_context 512 is more than the KV cache pool of 288 tokens"):
+        build_engine(share_config(room / total, "cuda"))

@@ -204,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--kv-cache-tokens", type=int, help="the KV page pool in tokens (default: --max-batch x --max-context)"
     )
+    pl.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="size the KV page pool to what this share of each GPU's memory leaves (serve's flag of that name)",
+    )
     pl.add_argument("--budget", type=parse_budget, help="DDTree budget, or 1:32,16:8 (the largest sizes the buffers)")
     pl.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     pl.add_argument("--expert-parallel", type=int, help="1: split every expert's width (default: whole experts)")
@@ -251,6 +256,13 @@ def add_serve_commands(subparsers) -> None:
         default=UNSET,
         help="the KV cache's page pool in tokens, shared by all rows (default: --max-batch-size x --max-seq-len); "
         "requests are admitted while their pages are free",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=UNSET,
+        help="instead of --kv-cache-tokens (CUDA): the largest page pool that keeps the engine within this share "
+        "of each GPU's memory (0.9: 90%%), as `ddtree plan` counts it, and within the memory the GPU has free",
     )
     p.add_argument(
         "--prefill-chunk",

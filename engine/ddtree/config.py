@@ -105,6 +105,9 @@ class ServingConfig:
     # the KV cache's page pool, in tokens shared by all rows (default: max_batch_size rows of max_seq_len);
     # fewer lets long contexts and many short requests share memory: requests are admitted by free pages
     kv_cache_tokens: int | None = None
+    # or, on CUDA, the pool that keeps the engine's memory plan (models/memory.py: weights, caches, a round's
+    # workspace, reserve) within this share of each GPU's memory, and within what the GPU has free
+    gpu_memory_utilization: float | None = None
     # the most prompt tokens one prefill forward takes, and what a scheduler iteration prefills between two
     # rounds: a long prompt goes in chunks, so running streams keep getting tokens while it is admitted
     prefill_chunk: int = 2048
@@ -168,6 +171,7 @@ FLAGS = {
     "max_batch_size": "serving.max_batch_size",
     "max_seq_len": "serving.max_seq_len",
     "kv_cache_tokens": "serving.kv_cache_tokens",
+    "gpu_memory_utilization": "serving.gpu_memory_utilization",
     "prefill_chunk": "serving.prefill_chunk",
     "no_prefix_cache": "serving.prefix_cache",
     "max_waiting": "serving.max_waiting",
@@ -415,6 +419,16 @@ class EngineConfig:
                 f"{n('serving.kv_cache_tokens')} must hold one request of {n('serving.max_seq_len')} "
                 f"({v.seq_len} tokens), got {v.kv_cache_tokens}"
             )
+        if v.gpu_memory_utilization is not None:
+            if v.kv_cache_tokens is not None:
+                raise ConfigError(
+                    f"give {n('serving.kv_cache_tokens')} or {n('serving.gpu_memory_utilization')}, not both"
+                )
+            if not 0 < v.gpu_memory_utilization <= 1:
+                raise ConfigError(
+                    f"{n('serving.gpu_memory_utilization')} must be more than 0 and at most 1, "
+                    f"got {v.gpu_memory_utilization}"
+                )
         if v.prefill_chunk < 16 or v.prefill_chunk & (v.prefill_chunk - 1):
             raise ConfigError(f"{n('serving.prefill_chunk')} must be a power of two >= 16, got {v.prefill_chunk}")
         if not 0 <= v.port <= 65535:

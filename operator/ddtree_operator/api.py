@@ -315,6 +315,14 @@ class EngineSpec(_Model):
         "requests are admitted while their pages are free, and pages holding the same prompt start are "
         "shared. Default: maxBatchSize x maxSeqLen, every request at its longest at once. At least maxSeqLen.",
     )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Instead of kvCacheTokens: the largest KV cache page pool that keeps the engine within this "
+        "share of each GPU's memory (`--gpu-memory-utilization`; 0.9 is 90%), as `ddtree plan` counts it "
+        "(weights, caches, a round's workspace, a reserve) and within what the GPU has free at start-up.",
+    )
     args: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=64, description="Extra `ddtree serve` arguments, appended last."
     )
@@ -326,6 +334,12 @@ class EngineSpec(_Model):
             message=f"spec.engine.kvCacheTokens must be >= spec.engine.maxSeqLen (default {DEFAULT_MAX_SEQ_LEN})",
             check=lambda e: e.kv_cache_tokens is None or e.kv_cache_tokens >= (e.max_seq_len or DEFAULT_MAX_SEQ_LEN),
             field_path=".kvCacheTokens",
+        ),
+        Rule(
+            cel="!has(self.kvCacheTokens) || !has(self.gpuMemoryUtilization)",
+            message="give spec.engine.kvCacheTokens or spec.engine.gpuMemoryUtilization, not both",
+            check=lambda e: e.kv_cache_tokens is None or e.gpu_memory_utilization is None,
+            field_path=".gpuMemoryUtilization",
         ),
     )
 

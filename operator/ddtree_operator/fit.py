@@ -75,6 +75,7 @@ class PlanInputs:
     max_context: int
     max_batch: int
     kv_cache_tokens: int | None
+    gpu_memory_utilization: float | None
     dtype: str
     budget: int | None
     expert_parallel: int | None
@@ -137,6 +138,8 @@ def plan_inputs(spec: SpeculativeDeploymentSpec) -> PlanInputs | MemoryCheck:
         )
         pool = engine_flag(args, "--kv-cache-tokens")
         kv_cache_tokens = int(pool) if pool is not None else spec.engine.kv_cache_tokens
+        share = engine_flag(args, "--gpu-memory-utilization")
+        gpu_memory_utilization = float(share) if share is not None else spec.engine.gpu_memory_utilization
         expert = engine_flag(args, "--expert-parallel")
         expert_parallel = int(expert) if expert is not None else spec.parallelism.expert
     except ValueError as exc:
@@ -150,6 +153,7 @@ def plan_inputs(spec: SpeculativeDeploymentSpec) -> PlanInputs | MemoryCheck:
         max_context=max_context,
         max_batch=max_batch,
         kv_cache_tokens=kv_cache_tokens,
+        gpu_memory_utilization=gpu_memory_utilization,
         dtype=engine_flag(args, "--dtype") or DEFAULT_DTYPE,
         budget=_budget(spec),
         expert_parallel=expert_parallel,
@@ -172,6 +176,7 @@ def _plan(inputs: PlanInputs, target: dict[str, Any], drafter: dict[str, Any] | 
         max_context=inputs.max_context,
         max_batch=inputs.max_batch,
         kv_cache_tokens=inputs.kv_cache_tokens,
+        gpu_memory_utilization=inputs.gpu_memory_utilization,
         dtype=inputs.dtype,
         drafter_config=drafter,
         budget=inputs.budget,

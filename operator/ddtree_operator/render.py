@@ -237,6 +237,8 @@ def engine_config(spec: SpeculativeDeploymentSpec) -> dict[str, Any]:
         serving["max_seq_len"] = spec.engine.max_seq_len
     if spec.engine.kv_cache_tokens is not None:
         serving["kv_cache_tokens"] = spec.engine.kv_cache_tokens
+    if spec.engine.gpu_memory_utilization is not None:
+        serving["gpu_memory_utilization"] = spec.engine.gpu_memory_utilization
     if spec.model.served_name:
         serving["served_model_name"] = spec.model.served_name
     if spec.serving.api_key_secret is not None:

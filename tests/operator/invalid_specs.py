@@ -123,6 +123,15 @@ OUT_OF_BOUNDS_SPECS = {
         {**VALID, "engine": {"kvCacheTokens": 1024}},
         "spec.engine.kvCacheTokens",
     ),
+    "kv-cache-tokens-and-gpu-memory-share": (
+        {**VALID, "engine": {"kvCacheTokens": 65536, "gpuMemoryUtilization": 0.9}},
+        "spec.engine.gpuMemoryUtilization",
+    ),
+    "gpu-memory-share-above-one": (
+        {**VALID, "engine": {"gpuMemoryUtilization": 1.5}},
+        "spec.engine.gpuMemoryUtilization",
+    ),
+    "gpu-memory-share-zero": ({**VALID, "engine": {"gpuMemoryUtilization": 0}}, "spec.engine.gpuMemoryUtilization"),
     "expert-parallel-zero": ({**VALID, "parallelism": {"expert": 0}}, "spec.parallelism.expert"),
     "unknown-rollout-type": ({**VALID, "rollout": {"type": "BlueGreen"}}, "spec.rollout.type"),
     "autoscaling-min-zero": (

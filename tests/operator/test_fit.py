@@ -98,6 +98,9 @@ def test_plan_inputs_follow_the_spec_and_the_engine_defaults():
     spec = kimi(8, engine={"maxSeqLen": 32768, "kvCacheTokens": 65536, "args": ["--kv-cache-tokens", "131072"]})
     assert plan_inputs(spec).kv_cache_tokens == 131072
     assert plan_inputs(kimi(8, engine={"maxSeqLen": 32768, "kvCacheTokens": 65536})).kv_cache_tokens == 65536
+    assert plan_inputs(kimi(8, engine={"gpuMemoryUtilization": 0.9})).gpu_memory_utilization == 0.9
+    spec = kimi(8, engine={"gpuMemoryUtilization": 0.9, "args": ["--gpu-memory-utilization=0.8"]})
+    assert plan_inputs(spec).gpu_memory_utilization == 0.8
     # spec.engine.args come last on the command line, so they win
     spec = kimi(8, engine={"maxSeqLen": 32768, "args": ["--max-seq-len=4096", "--dtype", "float16"]})
     inputs = plan_inputs(spec)

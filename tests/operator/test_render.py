@@ -338,6 +338,8 @@ def test_trust_remote_code_expert_parallel_and_context_reach_the_engine():
     plain = mounted_config(spec())
     assert "trust_remote_code" not in plain["model"] and "parallel" not in plain
     assert "max_seq_len" not in plain["serving"] and "kv_cache_tokens" not in plain["serving"]
+    shared = EngineConfig.from_dict(mounted_config(spec(engine={"gpuMemoryUtilization": 0.85})))
+    assert (shared.serving.gpu_memory_utilization, shared.serving.kv_cache_tokens) == (0.85, None)
 
 
 def test_api_key_secret_is_mounted_where_the_engine_reads_its_keys(tmp_path):

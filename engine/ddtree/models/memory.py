@@ -11,9 +11,10 @@ rank, the bytes the engine allocates and says whether they fit:
   frequencies and MLA's q_a / kv_a projections replicated. Multi-token-prediction layers
   (num_nextn_predict_layers) are not loaded, so not counted. A tied LM head is the embedding (0 bytes).
 - the KV caches, allocated up front by setup_caches as one pool of pages: kv_cache_tokens in whole pages
-  of 16 slots when given (serving.kv_cache_tokens), else max_batch rows of max_context tokens plus the
-  room a round needs past the text (the tree or the drafter's block), each in whole pages (the engine's
-  default pool; runtime/pages.py), and the trash slot: split by KV heads
+  of 16 slots when given (serving.kv_cache_tokens), or the most pages that keep the whole plan within
+  gpu_memory_utilization x gpu_memory (serving.gpu_memory_utilization), else max_batch rows of
+  max_context tokens plus the room a round needs past the text (the tree or the drafter's block), each in
+  whole pages (the engine's default pool; runtime/pages.py), and the trash slot: split by KV heads
   for grouped-query attention (2 x kv_heads / N x head_dim per layer and token), replicated for MLA's
   latent cache (kv_lora_rank + qk_rope_head_dim per layer and token, on every rank).
 - a DFlash drafter (its config.json dict): its layers split like the target's when its heads, KV heads,
@@ -572,6 +573,14 @@ class MemoryPlan:
         return "\n".join(rows)
 
 
+def pool_tokens_within(room: int, bytes_per_token: int) -> int:
+    """The KV page pool, in tokens (whole pages), that `room` bytes hold at bytes_per_token (the target's and
+    the drafter's caches together), the trash slot included; 0 when not one page fits."""
+    if bytes_per_token <= 0:
+        return 0
+    return max(0, (room // bytes_per_token - 1) // PAGE_SIZE * PAGE_SIZE)
+
+
 def _round_sizes(drafter: Layout | None, budget: int | None) -> tuple[bool, int, int, int]:
     """(drafts, tree size, deepest path, block) of the engine's largest round (runtime/plan.round_sizes): a
     drafter with a budget other than 0 runs ddtree (default budget block - 1); otherwise the root alone."""
@@ -590,6 +599,7 @@ def plan_memory(
     max_context: int | None = None,
     max_batch: int = 1,
     kv_cache_tokens: int | None = None,
+    gpu_memory_utilization: float | None = None,
     dtype: str = "bfloat16",
     drafter_config: dict | None = None,
     budget: int | None = None,
@@ -599,8 +609,9 @@ def plan_memory(
 ) -> MemoryPlan:
     """The per-rank memory of serving `config` (a config.json dict) on `gpus` GPUs of `gpu_memory` bytes
     each, with max_batch rows of max_context tokens (the engine's max_seq_len; default the model's
-    max_position_embeddings) and a KV page pool of kv_cache_tokens (default: every row's whole context), in
-    `dtype`, with the DFlash
+    max_position_embeddings) and a KV page pool of kv_cache_tokens (default: every row's whole context), or
+    with gpu_memory_utilization the largest pool of whole pages that keeps the total within that share of
+    gpu_memory (`pool_tokens_within`), in `dtype`, with the DFlash
     drafter of `drafter_config` at `budget` (default: its block size - 1). A split the model does not
     divide, or an unsupported quantization, is a plan that does not fit, with the reason; a config this
     module cannot read raises ValueError (one line)."""
@@ -661,6 +672,20 @@ def plan_memory(
         kinds["reserve"] = reserve
         return kinds, work, slots, pool
 
+    if gpu_memory_utilization is not None:
+        if kv_cache_tokens is not None:
+            raise ValueError("give kv_cache_tokens or gpu_memory_utilization, not both")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        kinds = per_rank_at(max_context)[0]
+        rest = sum(kinds.values()) - kinds["kv_cache"] - kinds["drafter_kv_cache"]
+        kv_cache_tokens = pool_tokens_within(
+            int(gpu_memory * gpu_memory_utilization) - rest, kv_token + drafter_kv_token
+        )
+        if kv_cache_tokens < PAGE_SIZE:
+            room = f"{gib(int(gpu_memory_utilization * gpu_memory))} ({gpu_memory_utilization:g} of {gib(gpu_memory)})"
+            problems.append(f"no KV cache page fits: everything else needs {gib(rest)} per GPU, the share is {room}")
+            kv_cache_tokens = PAGE_SIZE
     per_rank, work, slots, pool = per_rank_at(max_context)
     total = sum(per_rank.values())
     largest = _largest_context(lambda t: sum(per_rank_at(t)[0].values()) <= gpu_memory)
@@ -677,6 +702,10 @@ def plan_memory(
             f"{gpus} GPU(s) (weights {gib(sum(weights.values()))}, KV caches {gib(caches)}; {room})"
         )
     notes = []
+    if gpu_memory_utilization is not None:
+        notes.append(
+            f"the KV cache pool is what {gpu_memory_utilization:g} of each GPU's memory leaves: {pool:,} tokens"
+        )
     if max_context > target.max_position_embeddings:
         positions = target.max_position_embeddings
         notes.append(f"max_context {max_context:,} is past the model's max_position_embeddings {positions:,}")

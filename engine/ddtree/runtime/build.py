@@ -7,12 +7,15 @@ engine (`generate`) or build many engines over one load (`bench`'s sweep, traini
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import DTYPE_NAMES, ConfigError, EngineConfig, SpeculationConfig
+
+log = logging.getLogger("ddtree.build")
 
 
 def torch_dtype(name: str):
@@ -232,14 +235,90 @@ def build_engine(
     over `world` ranks when > 1, and size the engine by serving.max_batch_size / max_seq_len unless
     given here."""
     loaded = load_models(config, rank, world, note)
+    max_batch_size, max_seq_len = max_batch_size or config.serving.max_batch_size, max_seq_len or config.serving.seq_len
+    kv_cache_tokens = config.serving.kv_cache_tokens
+    if config.serving.gpu_memory_utilization is not None:
+        device = loaded.target.lm_head.weight.device
+        kv_cache_tokens = pool_within_memory(config, device, world, max_batch_size, max_seq_len)
     engine = make_engine(
         loaded.target,
         loaded.drafter,
         config.speculation,
-        max_batch_size=max_batch_size or config.serving.max_batch_size,
-        max_seq_len=max_seq_len or config.serving.seq_len,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
         prefill_chunk=config.serving.prefill_chunk,
         logprobs=config.serving.max_logprobs > 0,
-        kv_cache_tokens=config.serving.kv_cache_tokens,
+        kv_cache_tokens=kv_cache_tokens,
     )
     return engine, loaded.tokenizer
+
+
+def pool_within_memory(config: EngineConfig, device, world: int, max_batch_size: int, max_seq_len: int) -> int:
+    """serving.gpu_memory_utilization, on a rank whose weights are loaded: the KV page pool in tokens that
+    keeps the memory plan (`ddtree plan`: models/memory.py) of an engine of max_batch_size rows and
+    max_seq_len within that share of the GPU's memory, and the pool, workspace and reserve within what the
+    GPU has free now; the smallest over the ranks. Raises ConfigError when one request does not fit."""
+    import torch
+
+    from ..models.memory import gib, plan_memory, pool_tokens_within
+    from .memory_command import largest_budget, read_config, read_drafter_config
+
+    n = config.name
+    if torch.device(device).type != "cuda":
+        raise ConfigError(
+            f"{n('serving.gpu_memory_utilization')} sizes the KV cache from GPU memory: it needs a CUDA device "
+            f"(give {n('serving.kv_cache_tokens')} instead)"
+        )
+    m, spec, serving = config.model, config.speculation, config.serving
+    try:
+        target = read_config(m.id, m.revision)
+        drafter = (
+            read_drafter_config(m.drafter, target, m.drafter_revision) if spec.method != "ar" and m.drafter else None
+        )
+    except Exception as exc:  # a GGUF file, say: no config.json to plan from
+        raise ConfigError(
+            f"{n('serving.gpu_memory_utilization')} plans from the models' config.json, which could not be read "
+            f"({str(exc).splitlines()[0]}): give {n('serving.kv_cache_tokens')} instead"
+        ) from None
+    total = torch.cuda.get_device_properties(device).total_memory
+    plan = plan_memory(
+        target,
+        gpus=world,
+        gpu_memory=total,
+        max_context=max_seq_len,
+        max_batch=max_batch_size,
+        gpu_memory_utilization=serving.gpu_memory_utilization,
+        dtype=m.dtype,
+        drafter_config=drafter,
+        budget=largest_budget(spec.budget),
+        expert_parallel=config.parallel.expert_parallel,
+        replicate_drafter=config.parallel.replicate_drafter,
+    )
+    if not plan.fits:
+        raise ConfigError(f"{n('serving.gpu_memory_utilization')} {serving.gpu_memory_utilization:g}: {plan.reason}")
+    free = torch.cuda.mem_get_info(device)[0]  # the weights are in already
+    per_token = plan.kv_bytes_per_token + plan.drafter_kv_bytes_per_token
+    rest = plan.per_rank_bytes["workspace"] + plan.per_rank_bytes["reserve"]
+    pool = min(plan.pool_slots, pool_tokens_within(free - rest, per_token))
+    if world > 1:  # every rank maps the same pages: the smallest pool holds on all
+        import torch.distributed as dist
+
+        smallest = torch.tensor([pool], device=device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        pool = int(smallest.item())
+    if pool < max_seq_len:
+        raise ConfigError(
+            f"{n('serving.gpu_memory_utilization')} {serving.gpu_memory_utilization:g} leaves a KV cache of "
+            f"{pool:,} tokens, less than one request of {n('serving.max_seq_len')} ({max_seq_len:,}): "
+            f"{gib(free)} of {gib(total)} free after the weights, a round's workspace and reserve "
+            f"{gib(rest)}, {per_token:,} bytes per token"
+        )
+    log.info(
+        "KV cache: %s tokens (%s) within %g of %s and %s free",
+        f"{pool:,}",
+        gib(pool * per_token),
+        serving.gpu_memory_utilization,
+        gib(total),
+        gib(free),
+    )
+    return pool

@@ -59,6 +59,13 @@ def read_drafter_config(ref: str, target: dict, revision: str | None = None) -> 
     return DrafterConfig.for_target(config_from_hf(target), num_layers=int(layers)).to_hf()
 
 
+def largest_budget(budget):
+    """The budget the buffers fit: a policy's largest, or the largest that auto chooses from."""
+    if isinstance(budget, dict):
+        return max(budget.values())
+    return max(AUTO_BUDGETS) if budget == AUTO else budget
+
+
 def visible_gpu_memory() -> int:
     """The first visible GPU's total memory (--gpu-memory's default)."""
     import torch
@@ -81,14 +88,15 @@ def cmd_plan(args) -> int:
     ):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.gpu_memory_utilization is not None:
+        if args.kv_cache_tokens is not None:
+            raise UsageError("give --kv-cache-tokens or --gpu-memory-utilization, not both")
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise UsageError(
+                f"--gpu-memory-utilization must be more than 0 and at most 1, got {args.gpu_memory_utilization}"
+            )
     config = read_config(args.model, args.revision)
     drafter = read_drafter_config(args.drafter, config, args.drafter_revision) if args.drafter else None
-    # buffers fit the largest budget (of a policy, or of those auto chooses from)
-    budget = args.budget
-    if isinstance(budget, dict):
-        budget = max(budget.values())
-    elif budget == AUTO:
-        budget = max(AUTO_BUDGETS)
     plan = plan_memory(
         config,
         gpus=args.gpus,
@@ -96,9 +104,10 @@ def cmd_plan(args) -> int:
         max_context=args.max_context,  # default: the model's max_position_embeddings
         max_batch=args.max_batch,
         kv_cache_tokens=args.kv_cache_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype,
         drafter_config=drafter,
-        budget=budget,
+        budget=largest_budget(args.budget),
         expert_parallel=args.expert_parallel,
         replicate_drafter=args.replicate_drafter,
     )
