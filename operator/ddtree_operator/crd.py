@@ -65,6 +65,8 @@ _KEEP = {
     "pattern",
     "minimum",
     "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
     "minLength",
     "maxLength",
     "minItems",
@@ -100,6 +102,11 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         # The one union structural schemas allow (as core/v1 Quantity does).
         node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
         node.pop("type", None)
+    for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        # JSON Schema 2020 gives the exclusive bound as a number, OpenAPI v3.0 as a flag on minimum/maximum.
+        if isinstance(node.get(bound), (int, float)) and not isinstance(node[bound], bool):
+            node[limit] = node.pop(bound)
+            node[bound] = True
     out = {k: v for k, v in node.items() if k in _KEEP or k == "anyOf"}
     if "properties" in out:
         out["type"] = "object"

@@ -44,10 +44,21 @@ def test_schema_is_structural():
         assert node.get("additionalProperties") is not False, path
         if "anyOf" in node:  # the only union a structural schema allows
             assert node.get("x-kubernetes-int-or-string") is True, path
+        for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            # OpenAPI v3.0 flags an exclusive bound; a JSON Schema number here would be dropped by the server.
+            if bound in node:
+                assert node[bound] is True and limit in node, path
     for path, node in _walk(schema):
         if isinstance(node, dict) and "properties" in node and isinstance(node["properties"], dict):
             for name, child in node["properties"].items():
                 assert "type" in child or child.get("x-kubernetes-int-or-string"), f"{path}.{name} has no type"
+
+
+def test_exclusive_bounds_of_the_models_reach_the_schema():
+    """A `gt` bound in the models (gpuMemoryUtilization > 0) is enforced by the API server, not lost."""
+    engine = crd.openapi_schema()["properties"]["spec"]["properties"]["engine"]["properties"]
+    assert engine["gpuMemoryUtilization"]["minimum"] == 0
+    assert engine["gpuMemoryUtilization"]["exclusiveMinimum"] is True
 
 
 def _resolve(schema, json_path: str):
