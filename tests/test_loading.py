@@ -526,3 +526,31 @@ def test_random_models_repeat_the_last_token_by_a_wide_margin(shape, overrides):
     known = "qwen3-8b, qwen3-30b-a3b, kimi-k2.6-3layers, tiny, kimi-k2.6-int4-3layers"
     with pytest.raises(ValueError, match=rf"unknown random shape 'qwen9' \(known: {known}\)"):
         random.random_config("random:qwen9")
+
+
+def test_max_seq_len_is_bounded_by_the_models_context(tmp_path, monkeypatch):
+    """A request's limit defaults to 2048 tokens, or the model's context where that is shorter; a longer
+    one is refused with the model's context named, by serve's engine and by generate."""
+    from argparse import Namespace
+
+    from ddtree.config import ConfigError, EngineConfig
+    from ddtree.runtime.build import build_engine
+    from ddtree.runtime.commands import UsageError, generate_on_rank
+
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    path = _write_gguf(tmp_path / "tiny.gguf", _tiny_model("llama"), "llama")  # a context of 256 tokens
+
+    def config(**serving):
+        serving = {"max_batch_size": 1, **serving}
+        data = {"model": {"id": str(path)}, "speculation": {"method": "ar"}, "serving": serving}
+        return EngineConfig.from_dict(data).resolve(default_drafter=False)
+
+    assert build_engine(config())[0].max_seq_len == 256
+    assert build_engine(config(max_seq_len=128))[0].max_seq_len == 128
+    with pytest.raises(ConfigError, match=r"serving.max_seq_len 512 is more than .*tiny.gguf's context of 256 tokens"):
+        build_engine(config(max_seq_len=512))
+    args = Namespace(prompt="hello", chat=False, max_new_tokens=300, temperature=0.0, top_p=1.0, seed=0)
+    with pytest.raises(UsageError, match=r"--max-new-tokens 300 come to 30\d tokens, more than .*context of 256"):
+        generate_on_rank(0, 1, config(), args)
+    args.max_new_tokens = 4
+    assert len(generate_on_rank(0, 1, config(), args)["token_ids"]) == 4

@@ -122,7 +122,12 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
-    p.add_argument("--max-seq-len", type=int, default=UNSET, help="KV cache length per sequence (default 2048)")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=UNSET,
+        help="KV cache length per sequence (default 2048, or the model's context where shorter)",
+    )
     add_device_flags(p)
     p.add_argument("--kernels", choices=KERNEL_CHOICES, default=UNSET, help=KERNELS_HELP)
 
@@ -248,7 +253,11 @@ def add_serve_commands(subparsers) -> None:
         "--max-batch-size", type=int, default=UNSET, help="engine rows = concurrently running requests (default 8)"
     )
     p.add_argument(
-        "--max-seq-len", type=int, default=UNSET, help="per-request context: prompt + max_tokens (default 2048)"
+        "--max-seq-len",
+        type=int,
+        default=UNSET,
+        help="per-request context: prompt + max_tokens, at most the model's context (default 2048, or the "
+        "model's context where shorter)",
     )
     p.add_argument(
         "--kv-cache-tokens",

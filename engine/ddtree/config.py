@@ -101,7 +101,9 @@ class ServingConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 8  # serve's engine rows (generate runs 1, smoke its largest batch bucket)
-    max_seq_len: int | None = None  # the most tokens of one request (default 2048; generate: prompt + max new tokens)
+    # the most tokens of one request, at most the model's context (max_position_embeddings): default 2048 or
+    # that context where shorter; generate: prompt + max new tokens
+    max_seq_len: int | None = None
     # the KV cache's page pool, in tokens shared by all rows (default: max_batch_size rows of max_seq_len);
     # fewer lets long contexts and many short requests share memory: requests are admitted by free pages
     kv_cache_tokens: int | None = None

@@ -304,8 +304,9 @@ class EngineSpec(_Model):
         default=None,
         ge=16,
         le=16777216,
-        description="The most tokens of one request, prompt plus generated tokens (`--max-seq-len`); "
-        "default: the engine's (2048).",
+        description="The most tokens of one request, prompt plus generated tokens (`--max-seq-len`), at most "
+        "the model's context (the engine refuses to start otherwise); default: the engine's (2048, or the "
+        "model's context where shorter).",
     )
     kv_cache_tokens: int | None = Field(
         default=None,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DTYPE_NAMES, ConfigError, EngineConfig, SpeculationConfig
+from ..config import DEFAULT_MAX_SEQ_LEN, DTYPE_NAMES, ConfigError, EngineConfig, SpeculationConfig
 
 log = logging.getLogger("ddtree.build")
 
@@ -233,9 +233,19 @@ def build_engine(
 ):
     """(engine, tokenizer) of a resolved config (EngineConfig.resolve()): load, apply the kernels, split
     over `world` ranks when > 1, and size the engine by serving.max_batch_size / max_seq_len unless
-    given here."""
+    given here (max_seq_len: default 2048 tokens, or the model's context where that is shorter; more than
+    the model's context is refused)."""
     loaded = load_models(config, rank, world, note)
-    max_batch_size, max_seq_len = max_batch_size or config.serving.max_batch_size, max_seq_len or config.serving.seq_len
+    max_batch_size = max_batch_size or config.serving.max_batch_size
+    max_seq_len = max_seq_len or config.serving.max_seq_len
+    context = loaded.target.config.max_position_embeddings
+    if max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, context)
+    elif max_seq_len > context:
+        raise ConfigError(
+            f"{config.name('serving.max_seq_len')} {max_seq_len:,} is more than {config.model.id}'s context of "
+            f"{context:,} tokens (max_position_embeddings in its config)"
+        )
     kv_cache_tokens = config.serving.kv_cache_tokens
     if config.serving.gpu_memory_utilization is not None:
         device = loaded.target.lm_head.weight.device

@@ -68,6 +68,15 @@ def generate_on_rank(rank: int, world: int, config: EngineConfig, args) -> dict:
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     max_seq = config.serving.max_seq_len or len(prompt_ids) + args.max_new_tokens
+    context = target.config.max_position_embeddings
+    if max_seq > context:
+        asked = (
+            f"{config.name('serving.max_seq_len')} {max_seq:,} is"
+            if config.serving.max_seq_len
+            else f"the prompt ({len(prompt_ids):,} tokens) and --max-new-tokens {args.max_new_tokens:,} come to "
+            f"{max_seq:,} tokens,"
+        )
+        raise UsageError(f"{asked} more than {config.model.id}'s context of {context:,} tokens")
     # one sequence; the cache is sized after tokenizing, so load and build are two steps here
     engine = make_engine(target, loaded.drafter, config.speculation, max_batch_size=1, max_seq_len=max_seq)
     params = SamplingParams(

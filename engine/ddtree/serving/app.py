@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..config import AUTO, EngineConfig
@@ -146,7 +147,6 @@ class EngineServer:
 
     def _load(self) -> None:
         config = self.config
-        max_seq_len = config.serving.seq_len
         try:
             from tqdm import tqdm
 
@@ -161,7 +161,9 @@ class EngineServer:
                 init_from_env(config.model.device.split(":")[0])
                 self.leader = Leader(None, command_group())
             engine, tokenizer = load_engine(config, 0, self.world, bar)
-            target = engine.target
+            target, max_seq_len = engine.target, engine.max_seq_len
+            # the limit the engine was built with (default: 2048, or the model's context where shorter)
+            self.config = replace(config, serving=replace(config.serving, max_seq_len=max_seq_len))
             if self.leader is not None:
                 self.leader.engine = engine
                 engine = self.leader
