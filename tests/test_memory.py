@@ -302,7 +302,7 @@ def test_kimi_k26_with_its_drafter_fits_eight_gpus_at_its_whole_context(gpu_memo
     assert plan.kv_bytes_per_token == 61 * (512 + 64) * 2  # the latent cache, on every rank
     assert plan.drafter_kv_bytes_per_token == 6 * 2 * 1 * 128 * 2  # 8 KV heads over 8 ranks
     assert 60 * GiB < plan.per_rank_bytes["routed_experts"] < 70 * GiB  # 384 / 8 int4 experts a layer
-    assert plan.max_context_that_fits > context
+    assert plan.max_context_that_fits == context  # memory holds more; the model's context is the limit
     assert "kv_cache" in plan.render() and "fits: " in plan.render()
 
 
@@ -329,11 +329,18 @@ def test_kimi_k26_does_not_fit_one_gpu_nor_a_split_its_heads_refuse():
 
 
 def test_the_largest_context_is_the_edge_of_fitting():
+    """In memory (16 rows of the 8B shape on 80 GB), or at the model's context (4 rows): one token more
+    does not fit, and the reason says which bound it passed."""
     hf = random_hf_config("qwen3-8b")
-    plan = plan_memory(hf, gpus=1, gpu_memory=parse_size("80GB"), max_context=4096, max_batch=4)
-    edge = plan.max_context_that_fits
-    at = [plan_memory(hf, gpus=1, gpu_memory=parse_size("80GB"), max_context=t, max_batch=4) for t in (edge, edge + 1)]
-    assert at[0].fits and not at[1].fits and "over the" in at[1].reason
+    for max_batch, bound in ((16, "over the"), (4, "more than the model's context of 40,960 tokens")):
+        plan = plan_memory(hf, gpus=1, gpu_memory=parse_size("80GB"), max_context=4096, max_batch=max_batch)
+        edge = plan.max_context_that_fits
+        at = [
+            plan_memory(hf, gpus=1, gpu_memory=parse_size("80GB"), max_context=t, max_batch=max_batch)
+            for t in (edge, edge + 1)
+        ]
+        assert at[0].fits and not at[1].fits and bound in at[1].reason, at[1].reason
+    assert edge == hf["max_position_embeddings"]
 
 
 def test_expert_parallel_one_splits_widths_and_checks_them():

@@ -14,8 +14,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from ddtree.config import DEFAULT_MAX_SEQ_LEN, ServingConfig
-from ddtree.models.memory import MemoryPlan, parse_size, plan_memory
+from ddtree.config import ServingConfig
+from ddtree.models.memory import MemoryPlan, default_max_context, parse_size, plan_memory
 from ddtree.runtime.plan import AUTO_BUDGETS
 
 from .api import SpeculativeDeploymentSpec
@@ -72,7 +72,7 @@ class PlanInputs:
     drafter_unavailable: str | None  # why a drafter the spec names has no config to plan with
     gpus: int
     gpu_memory: int
-    max_context: int
+    max_context: int | None  # None: the engine's default for the model (default_max_context)
     max_batch: int
     kv_cache_tokens: int | None
     gpu_memory_utilization: float | None
@@ -132,7 +132,8 @@ def plan_inputs(spec: SpeculativeDeploymentSpec) -> PlanInputs | MemoryCheck:
         drafter = hub_ref(spec.drafter.uri, spec.drafter.revision)
     args = spec.engine.args
     try:
-        max_context = int(engine_flag(args, "--max-seq-len") or spec.engine.max_seq_len or DEFAULT_MAX_SEQ_LEN)
+        flag = engine_flag(args, "--max-seq-len")
+        max_context = int(flag) if flag is not None else spec.engine.max_seq_len
         max_batch = int(
             engine_flag(args, "--max-batch-size") or spec.engine.max_batch_size or ServingConfig.max_batch_size
         )
@@ -173,7 +174,7 @@ def _plan(inputs: PlanInputs, target: dict[str, Any], drafter: dict[str, Any] | 
         target,
         gpus=inputs.gpus,
         gpu_memory=inputs.gpu_memory,
-        max_context=inputs.max_context,
+        max_context=default_max_context(target) if inputs.max_context is None else inputs.max_context,
         max_batch=inputs.max_batch,
         kv_cache_tokens=inputs.kv_cache_tokens,
         gpu_memory_utilization=inputs.gpu_memory_utilization,

@@ -85,7 +85,8 @@ def test_plan_inputs_follow_the_spec_and_the_engine_defaults():
     assert isinstance(inputs, PlanInputs)
     assert (inputs.target, inputs.drafter, inputs.drafter_unavailable) == (KIMI_REF, DRAFTER_REF, None)
     assert (inputs.gpus, inputs.gpu_memory) == (8, H200)
-    assert (inputs.max_context, inputs.max_batch, inputs.dtype) == (2048, 8, "bfloat16")  # the engine's defaults
+    # the engine's defaults (max_context: 2048, or the model's context where shorter, once its config is read)
+    assert (inputs.max_context, inputs.max_batch, inputs.dtype) == (None, 8, "bfloat16")
     assert (inputs.budget, inputs.expert_parallel) == (16, None)
     spec = kimi(
         8,
@@ -128,6 +129,23 @@ def test_kimi_on_one_h200_does_not_fit_and_on_eight_fits():
     eight = decide(plan_inputs(kimi(8)), {KIMI_REF: KIMI})
     assert eight.result == "Fits" and not eight.blocks and eight.max_context_that_fits > 2048
     assert eight.status()["perRankBytes"]["routed_experts"] > 0
+
+
+def test_the_context_is_the_engines_default_and_no_more_than_the_models():
+    """Without maxSeqLen the plan is the engine's: 2048 tokens, or the model's context where shorter; a
+    maxSeqLen past the model's context does not fit, since the engine refuses it."""
+    short = {**KIMI, "text_config": {**KIMI["text_config"], "max_position_embeddings": 1024}}
+    default = decide(plan_inputs(kimi(8)), {KIMI_REF: short})
+    expected = plan_memory(short, gpus=8, gpu_memory=H200, max_context=1024, max_batch=8)
+    assert (default.result, default.message) == ("Fits", expected.reason)
+    assert default.max_context_that_fits == 1024
+    longer = decide(plan_inputs(kimi(8, engine={"maxSeqLen": 4096})), {KIMI_REF: short})
+    assert longer.result == "DoesNotFit" and longer.blocks
+    assert "max_context 4,096 is more than the model's context of 1,024 tokens" in longer.message
+    assert (
+        decide(plan_inputs(kimi(8)), {KIMI_REF: KIMI}).message
+        == plan_memory(KIMI, gpus=8, gpu_memory=H200, max_context=2048, max_batch=8).reason
+    )
 
 
 def test_the_drafter_counts_when_its_config_is_there():

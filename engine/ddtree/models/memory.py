@@ -56,7 +56,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..config import DTYPE_NAMES, PAGE_SIZE
+from ..config import DEFAULT_MAX_SEQ_LEN, DTYPE_NAMES, PAGE_SIZE
 from .quant_config import QuantScheme, parse_quantization
 from .registry import family_for
 
@@ -591,6 +591,12 @@ def _round_sizes(drafter: Layout | None, budget: int | None) -> tuple[bool, int,
     return True, budget + 1, min(budget, block - 1), block
 
 
+def default_max_context(config: dict) -> int:
+    """The engine's max_seq_len for `config` (a config.json dict) when none is given: 2048 tokens, or the
+    model's context where that is shorter (runtime/build.py)."""
+    return min(DEFAULT_MAX_SEQ_LEN, target_layout(config, 1).max_position_embeddings)
+
+
 def plan_memory(
     config: dict,
     *,
@@ -689,6 +695,7 @@ def plan_memory(
     per_rank, work, slots, pool = per_rank_at(max_context)
     total = sum(per_rank.values())
     largest = _largest_context(lambda t: sum(per_rank_at(t)[0].values()) <= gpu_memory)
+    largest = min(largest, target.max_position_embeddings)  # nor more than the model's context
     if kv_cache_tokens is not None:  # one request holds at most the whole pool
         largest = min(largest, kv_cache_tokens)
         if max_context > kv_cache_tokens:
@@ -701,14 +708,16 @@ def plan_memory(
             f"needs {gib(total)} per GPU, {gib(total - gpu_memory)} over the {gib(gpu_memory)} of each of "
             f"{gpus} GPU(s) (weights {gib(sum(weights.values()))}, KV caches {gib(caches)}; {room})"
         )
+    if max_context > target.max_position_embeddings:  # the engine refuses it (runtime/build.py)
+        problems.append(
+            f"max_context {max_context:,} is more than the model's context of {target.max_position_embeddings:,} "
+            "tokens (max_position_embeddings)"
+        )
     notes = []
     if gpu_memory_utilization is not None:
         notes.append(
             f"the KV cache pool is what {gpu_memory_utilization:g} of each GPU's memory leaves: {pool:,} tokens"
         )
-    if max_context > target.max_position_embeddings:
-        positions = target.max_position_embeddings
-        notes.append(f"max_context {max_context:,} is past the model's max_position_embeddings {positions:,}")
     if drafter is not None and not drafts:
         notes.append("budget 0: the drafter is loaded but never runs (no drafter cache)")
     if scheme is not None and gpus > 1:
