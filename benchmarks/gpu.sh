@@ -222,25 +222,31 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
         rm -rf "$cache"
       done ;;
     prefix-cache)
-      mkdir -p "$OUT_DIR/prefix-cache"
+      # DDTREE_PREFIX_CACHE_MODEL=smollm2: SmolLM2 with the shipped drafter and the serve part's budget policy,
+      # into prefix-cache-smollm2/, in place of the 8B shape at budget 8
+      dir=$OUT_DIR/prefix-cache model=(--model random:qwen3-8b --drafter random:5 --budget 8)
+      if [[ ${DDTREE_PREFIX_CACHE_MODEL:-qwen3-8b} == smollm2 ]]; then
+        dir=$OUT_DIR/prefix-cache-smollm2 model=("${SMOL[@]}" --budget "${DDTREE_SERVE_BUDGET:-1:128,4:8,16:8,64:0}")
+      fi
+      mkdir -p "$dir"
       for cache in on off; do
         log "prefix-cache: $cache, a shared 2000-token system prompt at 2 and 4 requests/s"
         flags=()
         [[ $cache == off ]] && flags=(--no-prefix-cache)
         port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-        $PY -m ddtree serve --model random:qwen3-8b --drafter random:5 --method ddtree --budget 8 \
+        $PY -m ddtree serve "${model[@]}" --method ddtree \
           --max-batch-size 16 --max-seq-len 4096 --kernels triton --port "$port" "${flags[@]}" \
-          > "$OUT_DIR/prefix-cache/$cache.log" 2>&1 &
+          > "$dir/$cache.log" 2>&1 &
         server=$!
         $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --completions --request-rate 2,4 --num-requests 40 \
           --system-prompt-tokens 2000 --prompt-lengths uniform:50:300 --max-tokens 64 --seed 0 --json \
-          > "$OUT_DIR/prefix-cache/$cache.jsonl" || true
+          > "$dir/$cache.jsonl" || true
         # conversations: 4 turns each, every turn resending the earlier ones with their replies
         $PY -m ddtree bench-serve --url "http://127.0.0.1:$port" --completions --concurrency 1,8 \
           --requests-per-client 8 --turns 4 --system-prompt-tokens 500 --prompt-lengths uniform:50:300 \
-          --max-tokens 64 --seed 0 --json > "$OUT_DIR/prefix-cache/$cache-turns.jsonl" || true
+          --max-tokens 64 --seed 0 --json > "$dir/$cache-turns.jsonl" || true
         curl -s "http://127.0.0.1:$port/metrics" | grep -E '^ddtree_(prefix_cache|prompt_tokens|prefill_seconds_sum)' \
-          > "$OUT_DIR/prefix-cache/$cache-metrics.txt" || true
+          > "$dir/$cache-metrics.txt" || true
         kill "$server" 2>/dev/null; wait "$server" || true
       done ;;
     gpu-tests)

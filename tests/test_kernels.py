@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ddtree.models.layers import MLP, KVCache, apply_rope
 from ddtree.models.llama import Attention, ModelConfig, Transformer
@@ -517,45 +518,68 @@ def test_engine_with_kernels_is_lossless():
         assert [r.token_ids for r in engine.generate(prompts, params)] == expect, method
 
 
-@interp
-def test_drafter_with_kernels_equals_without():
-    """The drafter's block forward and context append (prompt rows given, and padding rows sent to the
-    trash slot) with the kernels: outputs and caches as with the PyTorch path."""
+def run_drafter(kernels: bool, dtype: torch.dtype = torch.float32, layers: int = 2) -> tuple[Tensor, Tensor]:
+    """A drafter's block output and its caches after a prompt's context append (prompt rows given) and a
+    round (3 staged context rows, the last one padding sent to the trash slot, then a block of 4)."""
     from ddtree.speculative.drafter import DrafterConfig, init_drafter
     from tiny_models import random_target
 
     target = random_target(seed=5)
-    results = []
-    for on in (False, True):
-        drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=2, block_size=4), seed=6)
-        use_drafter_backend(drafter, "triton" if on else "torch")
-        drafter.setup_caches(max_batch=3, max_slots=24)
-        g = torch.Generator().manual_seed(0)
-        feat = torch.randn(2, 6, drafter.fc.in_features, generator=g)
-        j = torch.arange(6)
-        with torch.no_grad():
-            drafter.append_context(feat, j.expand(2, -1), j.expand(2, -1), rows=torch.tensor([2, 0]))
-            # a round: 3 staged context rows (the last one padding, to the trash slot), then a block of 4
-            ctx_pos = torch.tensor([[6, 7, 8], [6, 7, 8]])
-            ctx_slots = torch.tensor([[6, 7, 24], [6, 7, 24]])
-            block_pos = 8 + torch.arange(4).expand(2, -1)
-            mask = torch.ones(2, 1, 4, 12, dtype=torch.bool)
-            out = drafter(
-                torch.randn(2, 4, target.config.hidden_size, generator=g),
-                block_pos,
-                block_pos,
-                mask,
-                torch.randn(2, 3, drafter.fc.in_features, generator=g),
-                ctx_pos,
-                ctx_slots,
-            )
-        caches = [
-            torch.stack([torch.stack(layer.self_attn.kv_cache.row(r, 24)) for r in range(drafter.max_batch)])
-            for layer in drafter.layers
-        ]
-        results.append((out, torch.stack(caches)))
-    for a, b in zip(*results):
+    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=layers, block_size=4), seed=6)
+    drafter = drafter.to(dtype)
+    use_drafter_backend(drafter, "triton" if kernels else "torch")
+    drafter.setup_caches(max_batch=3, max_slots=24)
+    g = torch.Generator().manual_seed(0)
+    feat = torch.randn(2, 6, drafter.fc.in_features, generator=g).to(dtype)
+    j = torch.arange(6)
+    with torch.no_grad():
+        drafter.append_context(feat, j.expand(2, -1), j.expand(2, -1), rows=torch.tensor([2, 0]))
+        ctx_pos = torch.tensor([[6, 7, 8], [6, 7, 8]])
+        ctx_slots = torch.tensor([[6, 7, 24], [6, 7, 24]])
+        block_pos = 8 + torch.arange(4).expand(2, -1)
+        mask = torch.ones(2, 1, 4, 12, dtype=torch.bool)
+        out = drafter(
+            torch.randn(2, 4, target.config.hidden_size, generator=g).to(dtype),
+            block_pos,
+            block_pos,
+            mask,
+            torch.randn(2, 3, drafter.fc.in_features, generator=g).to(dtype),
+            ctx_pos,
+            ctx_slots,
+        )
+    caches = [
+        torch.stack([torch.stack(layer.self_attn.kv_cache.row(r, 24)) for r in range(drafter.max_batch)])
+        for layer in drafter.layers
+    ]
+    return out, torch.stack(caches)
+
+
+@interp
+def test_drafter_with_kernels_equals_without():
+    """The drafter's block forward and context append with the kernels (fused q/k/v, residual adds fused
+    with the norms after them): outputs and caches as with the PyTorch path."""
+    for a, b in zip(run_drafter(kernels=True), run_drafter(kernels=False)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@interp
+def test_drafter_with_kernels_and_skinny_linear(monkeypatch):
+    """bf16, o as K-split partial products (64 x 64: two splits) that the fused layer's add_rms_norm sums,
+    and gate/up through skinny_linear: no less accurate than the PyTorch path against an fp32 run (as
+    check_model)."""
+    from ddtree.runtime import kernels
+
+    use_skinny(monkeypatch, {**TINY_SKINNY, "o": (16, 16, 2, 4, 2)})
+    skinny, configs = kernels.skinny_linear, []
+    monkeypatch.setattr(
+        kernels, "skinny_linear", lambda x, w, config, **kw: configs.append(config) or skinny(x, w, config, **kw)
+    )
+    exact = run_drafter(kernels=False)
+    got, ref = run_drafter(True, torch.bfloat16), run_drafter(False, torch.bfloat16)
+    assert configs.count((16, 16, 2, 4, 2)) == 2  # o of both layers went through the kernel
+    for name, a, b, x in zip(("block output", "caches"), got, ref, exact):
+        err_kernels, err_torch = ((t.float() - x).norm().item() / x.norm().item() for t in (a, b))
+        assert err_kernels <= min(2.5 * err_torch, 0.05), (name, err_kernels, err_torch)
 
 
 @interp

@@ -28,7 +28,7 @@ from ..models.layers import MLP, RMSNorm, concat_views
 from ..models.llama import Attention, DecoderLayer, Transformer
 from ..models.moe import SparseMoE
 from ..models.quant import Fp8BlockLinear, Int4Linear, dequantize_fp8_block, dequantize_int4
-from ..speculative.drafter import DFlashDrafter, DrafterAttention
+from ..speculative.drafter import DFlashDrafter, DrafterAttention, DrafterLayer
 from ..speculative.tree import Tree, build_ddtree
 from . import kernels
 from .moe_kernels import moe_experts
@@ -438,25 +438,49 @@ SWAPS["triton"][Fp8BlockLinear] = TritonFp8BlockLinear
 
 
 class TritonDrafterAttention(_Swapped, DrafterAttention):
-    """q/k norms, RoPE and cache writes in one kernel, and tree attention over the block."""
+    """The target's Triton path for the drafter's attention: the block's q, k and v from one GEMM and the
+    context's k and v from one (views into one concatenated weight), q/k norms, RoPE and cache writes in
+    one kernel, tree attention over the block, and o as the target's skinny GEMM (the drafter's o has the
+    target's shape) whose K-split partial sums the fused layer's add_rms_norm adds up."""
 
     reference = DrafterAttention
+    wqkv: Tensor | None = None
+    bqkv: Tensor | None = None
+    # whether its layer adds up o's K-split partial sums (TritonDrafterLayer does; DFlash2's layer does not)
+    partial_sums = False
+
+    def adopt(self) -> None:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.wqkv = concat_views([p.weight for p in projs])
+        self.bqkv = concat_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
+
+    def drop(self) -> None:
+        self.wqkv = self.bqkv = None
+
+    def _split(self, out: Tensor, heads: tuple[int, ...]) -> list[Tensor]:
+        """out [bs, T, sum(heads) * head_dim] -> one [bs, T, n, head_dim] view per entry n of heads."""
+        parts = out.split([n * self.head_dim for n in heads], dim=-1)
+        return [part.view(*out.shape[:2], n, self.head_dim) for part, n in zip(parts, heads)]
 
     def metadata(self, mask: Tensor) -> Tensor | None:
         return kernels.mask_extent(mask)
 
     def append_context(self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor) -> None:
-        k, v = self._heads(self.k_proj, ctx, self.n_kv), self._heads(self.v_proj, ctx, self.n_kv)
+        assert self.wqkv is not None
+        q_width = self.n_heads * self.head_dim  # k and v: the rows of wqkv after q's
+        bkv = self.bqkv[q_width:] if self.bqkv is not None else None
+        k, v = self._split(F.linear(ctx, self.wqkv[q_width:], bkv), (self.n_kv, self.n_kv))
         w = self.k_norm.weight  # k only: no query heads
         kernels.qk_norm_rope_kv(
             k[:, :, :0], k, v, *rope_ctx, w, w, self.k_norm.eps, self.kv_cache.k, self.kv_cache.v, ctx_slots
         )
 
     def rotate_and_cache(self, x: Tensor, rope_blk: tuple[Tensor, Tensor], blk_slots: Tensor) -> Tensor:
+        q, k, v = self._split(F.linear(x, self.wqkv, self.bqkv), (self.n_heads, self.n_kv, self.n_kv))
         return kernels.qk_norm_rope_kv(
-            self._heads(self.q_proj, x, self.n_heads),
-            self._heads(self.k_proj, x, self.n_kv),
-            self._heads(self.v_proj, x, self.n_kv),
+            q,
+            k,
+            v,
             *rope_blk,
             self.q_norm.weight,
             self.k_norm.weight,
@@ -470,16 +494,48 @@ class TritonDrafterAttention(_Swapped, DrafterAttention):
         cache = self.kv_cache
         return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, None, meta)
 
+    def output(self, out: Tensor) -> Tensor:
+        rows, w, config = out.shape[0] * out.shape[1], self.o_proj.weight, TritonAttention.o_skinny
+        if (
+            self.partial_sums
+            and self.tp is None  # the all-reduce takes one tensor, not K-split parts
+            and self.o_proj.bias is None
+            and kernels.skinny_applies(rows, w.shape[0], w.shape[1], config, out.dtype)
+        ):
+            assert config is not None
+            return kernels.skinny_linear(out, w, config)  # [splits, bs, T, hidden]: add_rms_norm sums
+        return super().output(out)
+
+
+class TritonDrafterLayer(_Swapped, DrafterLayer):
+    """Each residual add fused with the RMSNorm after it, as in TritonDecoderLayer."""
+
+    reference = DrafterLayer
+
+    def forward(self, x, h, next_norm, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta=None):
+        post = self.post_attention_layernorm
+        attn = self.self_attn(h, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta)
+        h, x = kernels.add_rms_norm(attn, x, post.weight, post.eps)
+        h, x = kernels.add_rms_norm(self.mlp(h), x, next_norm.weight, next_norm.eps)
+        return x, h
+
 
 def use_drafter_backend(drafter: DFlashDrafter, backend: str) -> None:
-    """The drafter's Triton path ("triton": its attention kernels and the target's MLP, gate/up as one
-    skinny GEMM with silu_mul in its epilogue), the torch one (gate/up as one GEMM) or the reference.
-    Its q/k/v stay three GEMMs, which are small next to the MLP's."""
-    attention = TritonDrafterAttention if backend == "triton" else DrafterAttention
+    """The drafter's Triton path ("triton": the attention and layer above and the target's MLP, gate/up as
+    one skinny GEMM with silu_mul in its epilogue), the torch one (gate/up as one GEMM) or the reference.
+    Layers of other drafter kinds (DFlash2's convolutions sit between norm and sublayer) keep their own
+    forward: their sublayers still take the fused modules."""
+    triton = backend == "triton"
+    attention = TritonDrafterAttention if triton else DrafterAttention
     mlp = SWAPS.get(backend, {}).get(MLP, MLP)
     for layer in drafter.layers:
         swap(layer.self_attn, attention)
         swap(layer.mlp, mlp)
+        reference = layer.reference if isinstance(layer, _Swapped) else type(layer)
+        if reference is DrafterLayer:
+            swap(layer, TritonDrafterLayer if triton else DrafterLayer)
+        if isinstance(layer.self_attn, TritonDrafterAttention):
+            layer.self_attn.partial_sums = isinstance(layer, TritonDrafterLayer)
 
 
 # ---- the tree ------------------------------------------------------------------------------------

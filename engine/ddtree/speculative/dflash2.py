@@ -117,12 +117,13 @@ class DFlash2Layer(DrafterLayer):
         self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta=None) -> Tensor:
-        h, taps = self.attention_conv.before(self.input_layernorm(x))
+    def forward(self, x, h, next_norm, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta=None):
+        h, taps = self.attention_conv.before(h)
         h = self.self_attn(h, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta)
         x = x + self.attention_conv.after(h, taps)
         h, taps = self.mlp_conv.before(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.after(self.mlp(h), taps)
+        x = x + self.mlp_conv.after(self.mlp(h), taps)
+        return x, next_norm(x)
 
 
 @dataclass

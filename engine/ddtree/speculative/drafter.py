@@ -341,7 +341,11 @@ class DrafterAttention(nn.Module):
     ) -> Tensor:
         if ctx is not None:  # append the new context keys/values first
             self.append_context(ctx, rope_ctx, ctx_slots)
-        out = self.o_proj(self.attend(self.rotate_and_cache(x, rope_blk, blk_slots), mask, meta))
+        return self.output(self.attend(self.rotate_and_cache(x, rope_blk, blk_slots), mask, meta))
+
+    def output(self, out: Tensor) -> Tensor:
+        """o_proj of the attention's output, summed over the ranks when split."""
+        out = self.o_proj(out)
         return self.tp.all_reduce(out) if self.tp else out
 
 
@@ -356,9 +360,15 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta=None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x, h, next_norm: RMSNorm, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta=None
+    ) -> tuple[Tensor, Tensor]:
+        """Takes the residual stream x and its normed h (this layer's input norm), returns the pair for the
+        next layer (next_norm: its input norm, or the final norm), as the target's DecoderLayer does, so
+        that the fused layer (ddtree.runtime.fused) joins each residual add with the norm after it."""
+        x = x + self.self_attn(h, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, next_norm(x)
 
 
 class DFlashDrafter(nn.Module):
@@ -439,12 +449,14 @@ class DFlashDrafter(nn.Module):
         bs, T, _ = x.shape
         meta = self.layers[0].self_attn.metadata(mask.expand(bs, 1, T, mask.shape[-1])) if self.layers else None
         masks: dict[tuple[int | None, bool], Tensor] = {}  # one per kind of layer in this drafter
-        for layer in self.layers:
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        h = self.layers[0].input_layernorm(x) if self.layers else self.norm(x)
+        for layer, next_norm in zip(self.layers, norms):
             kind = (layer.sliding_window, layer.causal)
             if kind not in masks:
                 masks[kind] = self.layer_mask(mask, block_positions, *kind)
-            x = layer(x, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, masks[kind], meta)
-        return self.norm(x)
+            x, h = layer(x, h, next_norm, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, masks[kind], meta)
+        return h
 
     @staticmethod
     def layer_mask(mask: Tensor, block_positions: Tensor, window: int | None, causal: bool) -> Tensor:
