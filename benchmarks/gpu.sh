@@ -19,6 +19,7 @@
 #            the Qwen3-8B shape (random weights, ddtree B=8, 16 rows), a 2000-token system prompt shared by every
 #            request, user turns of 50..300 tokens, Poisson arrivals at 2 and 4 requests/s, 64 new tokens each;
 #            and conversations of 4 turns (bench-serve --turns 4) at 1 and 8 clients
+#            (DDTREE_PREFIX_CACHE_MODEL=smollm2: SmolLM2 with the shipped drafter instead)
 # first-pass (not in the default set) the first request of each new prompt length against the second:
 #            `ddtree serve` of the Qwen3-8B shape (random weights, ar and ddtree) with an empty Triton cache,
 #            one client, 16 prompts of 23..1800 tokens, two passes (prefix reuse off)
