@@ -72,10 +72,12 @@ def _set_class(module: nn.Module, cls: type[nn.Module]) -> None:
 # ---- the target ----------------------------------------------------------------------------------
 
 
-class FusedAttention(_Swapped, Attention):
-    """q, k and v from one GEMM."""
+class _FusedQKV(_Swapped):
+    """An attention module's q_proj, k_proj and v_proj as views into one weight (and bias), wqkv."""
 
-    reference = Attention
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
     wqkv: Tensor | None = None
     bqkv: Tensor | None = None
 
@@ -86,6 +88,26 @@ class FusedAttention(_Swapped, Attention):
 
     def drop(self) -> None:
         self.wqkv = self.bqkv = None
+
+
+def skinny_o(out: Tensor, o_proj: nn.Linear, tp, config: tuple[int, int, int, int, int] | None) -> Tensor | None:
+    """o_proj(out) as the skinny GEMM's K-split partial sums [splits, *out.shape[:-1], hidden], for
+    add_rms_norm to add up, when the kernel serves this shape; None otherwise."""
+    rows, w = out.shape[0] * out.shape[1], o_proj.weight
+    if (
+        config is None
+        or tp is not None  # the all-reduce takes one tensor, not K-split parts
+        or o_proj.bias is not None
+        or not kernels.skinny_applies(rows, w.shape[0], w.shape[1], config, out.dtype)
+    ):
+        return None
+    return kernels.skinny_linear(out, w, config)
+
+
+class FusedAttention(_FusedQKV, Attention):
+    """q, k and v from one GEMM."""
+
+    reference = Attention
 
     def qkv(self, x: Tensor) -> Tensor:
         return F.linear(x, self.wqkv, self.bqkv)
@@ -157,15 +179,10 @@ class TritonAttention(FusedAttention):
         return super().attend(q, mask, rows, meta)
 
     def output(self, out: Tensor) -> Tensor:
-        rows, w = out.shape[0] * out.shape[1], self.o_proj.weight
-        if rows == 1:
-            out = kernels.gemv(out, w, self.o_proj.bias, config=self.o_gemv)
-        elif (
-            self.tp is None  # the all-reduce takes one tensor, not K-split parts
-            and self.o_proj.bias is None
-            and kernels.skinny_applies(rows, w.shape[0], w.shape[1], self.o_skinny, out.dtype)
-        ):
-            return kernels.skinny_linear(out, w, self.o_skinny)  # [splits, bs, T, hidden]: add_rms_norm sums
+        if out.shape[0] * out.shape[1] == 1:
+            out = kernels.gemv(out, self.o_proj.weight, self.o_proj.bias, config=self.o_gemv)
+        elif (parts := skinny_o(out, self.o_proj, self.tp, self.o_skinny)) is not None:
+            return parts
         else:
             out = self.o_proj(out)
         return self.tp.all_reduce(out) if self.tp else out
@@ -437,25 +454,15 @@ SWAPS["triton"][Fp8BlockLinear] = TritonFp8BlockLinear
 # ---- the drafter ---------------------------------------------------------------------------------
 
 
-class TritonDrafterAttention(_Swapped, DrafterAttention):
+class TritonDrafterAttention(_FusedQKV, DrafterAttention):
     """The target's Triton path for the drafter's attention: the block's q, k and v from one GEMM and the
     context's k and v from one (views into one concatenated weight), q/k norms, RoPE and cache writes in
     one kernel, tree attention over the block, and o as the target's skinny GEMM (the drafter's o has the
     target's shape) whose K-split partial sums the fused layer's add_rms_norm adds up."""
 
     reference = DrafterAttention
-    wqkv: Tensor | None = None
-    bqkv: Tensor | None = None
     # whether its layer adds up o's K-split partial sums (TritonDrafterLayer does; DFlash2's layer does not)
     partial_sums = False
-
-    def adopt(self) -> None:
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.wqkv = concat_views([p.weight for p in projs])
-        self.bqkv = concat_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
-
-    def drop(self) -> None:
-        self.wqkv = self.bqkv = None
 
     def _split(self, out: Tensor, heads: tuple[int, ...]) -> list[Tensor]:
         """out [bs, T, sum(heads) * head_dim] -> one [bs, T, n, head_dim] view per entry n of heads."""
@@ -495,16 +502,8 @@ class TritonDrafterAttention(_Swapped, DrafterAttention):
         return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, None, meta)
 
     def output(self, out: Tensor) -> Tensor:
-        rows, w, config = out.shape[0] * out.shape[1], self.o_proj.weight, TritonAttention.o_skinny
-        if (
-            self.partial_sums
-            and self.tp is None  # the all-reduce takes one tensor, not K-split parts
-            and self.o_proj.bias is None
-            and kernels.skinny_applies(rows, w.shape[0], w.shape[1], config, out.dtype)
-        ):
-            assert config is not None
-            return kernels.skinny_linear(out, w, config)  # [splits, bs, T, hidden]: add_rms_norm sums
-        return super().output(out)
+        parts = skinny_o(out, self.o_proj, self.tp, TritonAttention.o_skinny) if self.partial_sums else None
+        return super().output(out) if parts is None else parts
 
 
 class TritonDrafterLayer(_Swapped, DrafterLayer):
