@@ -10,6 +10,20 @@ from tiny_models import random_target
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
+if INTERPRETED and importlib.util.find_spec("triton") is not None:
+    import triton.runtime.interpreter as _interpreter
+
+    _patch_lang_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_numpy_2_4(tensor, scope) -> None:
+        """Triton 3.6's interpreter turns a scalar (a one-element array) into a Python int with int(), which
+        NumPy 2.4 refuses: a loop over runtime bounds (`range(lo, hi, step)`) fails. Fixed upstream
+        (triton-lang/triton#9171); until the Triton that torch pins has it, take the element first."""
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor_numpy_2_4
+
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):

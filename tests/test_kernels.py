@@ -10,6 +10,7 @@ bf16 tolerances allow a unit in the last place either way.
 """
 
 import copy
+import itertools
 import json
 import os
 import subprocess
@@ -202,8 +203,9 @@ def check_attention(device, dtype, cases):
             tree[b, ..., : span // 2 + 3 * b + 5] = True
             tree[b, ..., span // 2 + 3 * b + 5 + T :] = False
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
-        for m in (mask.to(device), cut.to(device), tree.to(device)):
-            out = attention(q, kc, vc, slot_map, m, rows)
+        # chunks by attention_chunk, then one chunk for every key (the output written without a combine)
+        for m, chunk in itertools.product((mask.to(device), cut.to(device), tree.to(device)), (None, 2 * span)):
+            out = attention(q, kc, vc, slot_map, m, rows, chunk=chunk)
             sel = rows if rows_given else torch.arange(bs, device=device)
             table = slot_map[sel, :span]
             ref = F.scaled_dot_product_attention(
@@ -217,20 +219,29 @@ def check_attention(device, dtype, cases):
             torch.testing.assert_close(out.float(), ref.transpose(1, 2).reshape(bs, T, -1), **TOL[dtype])
 
 
-def check_mask_extent(device):
-    """One past the last slot any query sees, per sequence: masks that end early, all-False ones,
-    broadcast over the batch, one query and more queries than a row tile holds."""
-    from ddtree.runtime.kernels import mask_extent
+def check_mask_bounds(device):
+    """Per sequence, one past the last slot any query sees and the leading slots every query sees: masks
+    that end early, all-False ones, a verify's (a prefix all queries see, then the tree), broadcast over
+    the batch, one query and more queries than a row tile holds."""
+    from ddtree.runtime.kernels import mask_bounds
+
+    def want(mask: Tensor) -> list[list[int]]:
+        out = []
+        for m in mask[:, 0]:
+            seen_by_any, seen_by_all = m.any(0).tolist(), m.all(0).tolist()
+            end = max((j + 1 for j, s in enumerate(seen_by_any) if s), default=0)
+            out.append([end, next((j for j, s in enumerate(seen_by_all) if not s), len(seen_by_all))])
+        return out
 
     g = torch.Generator().manual_seed(3)
     for bs, T, span in ((3, 33, 1100), (2, 1, 300), (1, 130, 9000), (4, 9, 17)):
         mask = torch.rand(bs, 1, T, span, generator=g) < 0.2
         for b in range(bs):
+            mask[b, ..., : (b * 331) % span] = True  # a prefix every query sees (none for sequence 0)
             mask[b, ..., (b * 997) % span :] = False  # sequence 0 sees nothing
-        want = [max((j + 1 for j in range(span) if mask[b, 0, :, j].any()), default=0) for b in range(bs)]
-        assert mask_extent(mask.to(device)).tolist() == want, (bs, T, span)
+        assert mask_bounds(mask.to(device)).tolist() == want(mask), (bs, T, span)
         row = mask[1:2] if bs > 1 else mask
-        assert mask_extent(row.to(device).expand(bs, 1, T, span)).tolist() == [want[1 if bs > 1 else 0]] * bs
+        assert mask_bounds(row.to(device).expand(bs, 1, T, span)).tolist() == want(row) * bs
 
 
 def check_move_slots(device, dtype):
@@ -478,8 +489,8 @@ def test_attention(dtype):
 
 
 @interp
-def test_mask_extent():
-    check_mask_extent("cpu")
+def test_mask_bounds():
+    check_mask_bounds("cpu")
 
 
 @interp
@@ -734,20 +745,20 @@ def test_kernels_compile_for_h200_without_a_gpu():
             4,
         )
         compile_(
-            K._mask_extent_kernel,
+            K._mask_bounds_kernel,
             dtype,
-            dict(mask_ptr="*i8", extent_ptr="*i32", T="i32", span="i32"),
+            dict(mask_ptr="*i8", bounds_ptr="*i32", T="i32", span="i32"),
             dict(BLOCK_T=64, BLOCK_S=128),
             4,
         )
-        for rows in (False, True):
+        for rows, direct in itertools.product((False, True), (False, True)):
             compile_(
                 K._attention_partial_kernel,
                 dtype,
                 dict(
                     map_ptr="*i32",
                     mask_ptr="*i8",
-                    extent_ptr="*i32",
+                    bounds_ptr="*i32",
                     rows_ptr="*i64",
                     acc_ptr="*fp32",
                     ml_ptr="*fp32",
@@ -756,12 +767,13 @@ def test_kernels_compile_for_h200_without_a_gpu():
                     scale="fp32",
                     SPLITS="i32",
                     ROW_BLOCKS="i32",
+                    CHUNK="i32",
                 ),
                 dict(
                     H=32,
                     GROUP=4,
                     D=128,
-                    CHUNK=128,
+                    DIRECT=direct,
                     BLOCK_M=64,
                     BLOCK_N=64,
                     BLOCK_D=128,
@@ -811,7 +823,7 @@ def test_compiled_kernels_equal_the_reference(dtype):
     check_best_first_tree("cuda")
     check_row_logsumexp("cuda", dtype)
     check_move_slots("cuda", dtype)
-    check_mask_extent("cuda")
+    check_mask_bounds("cuda")
     check_attention(
         "cuda",
         dtype,

@@ -356,17 +356,25 @@ def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -
 
 
 @torch.inference_mode()
-def attention_sweep(device="cuda", context: int = 1200, span: int = 2048) -> list[dict]:
-    """kernels.attention's tuning knobs (max_rows, block_n, num_warps, num_stages, chunk) swept at the
-    Qwen3-8B geometry (32 query heads, 8 KV heads of 128) for the verify and draft widths at batch 1 and
-    16, `context` cached tokens in a `span`-slot graph bucket: per shape, the default's time and the
-    fastest configuration's."""
+def attention_sweep(device="cuda", shapes=None) -> list[dict]:
+    """kernels.attention's tuning knobs (chunk: key slots per program, up to one chunk for the whole span;
+    max_rows; num_stages) swept at the Qwen3-8B geometry (32 query heads, 8 KV heads of 128) for decode,
+    draft and verify widths at batch 1 to 64, with `context` cached tokens in a `span`-slot graph bucket:
+    per shape, the default's time and every configuration's."""
     from ..models.layers import identity_slot_map
     from . import kernels
 
     heads, kv_heads, hd = 32, 8, 128
+    shapes = shapes or [  # (batch, tokens, context, span)
+        *((1, T, 1200, 2048) for T in (1, 9, 16, 33)),
+        (4, 33, 1200, 2048),
+        *((16, T, 1200, 2048) for T in (1, 9, 16, 33)),
+        (64, 1, 1200, 2048),
+        (64, 9, 1200, 2048),
+        *((b, T, 3000, 4096) for b, T in ((1, 33), (16, 1), (16, 9), (16, 33))),
+    ]
     out = []
-    for batch, T in ((1, 9), (1, 16), (1, 33), (16, 9), (16, 16), (16, 33)):
+    for batch, T, context, span in shapes:
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(batch, heads, T, hd, device=device, dtype=torch.bfloat16, generator=g)
         k = torch.randn(kv_heads, batch * span + 1, hd, device=device, dtype=torch.bfloat16, generator=g)
@@ -376,37 +384,34 @@ def attention_sweep(device="cuda", context: int = 1200, span: int = 2048) -> lis
         t = torch.arange(T, device=device)
         mask = (j[None, :] < context) | ((j[None, :] >= context) & (j[None, :] - context <= t[:, None]))
         mask = mask.view(1, 1, T, span).expand(batch, 1, T, span).contiguous()
-        extent = kernels.mask_extent(mask)
-        default = partial(kernels.attention, q, k, v, slot_map, mask, None, extent)
+        default = partial(kernels.attention, q, k, v, slot_map, mask, None, kernels.mask_bounds(mask))
         reference = default()
-        best: dict[str, Any] = {"ms": _device_ms(default), "config": "default"}
-        default_ms = best["ms"]
-        for max_rows in (32, 64, 128):
-            for block_n in (32, 64):
-                for warps in (4, 8):
-                    for stages in (2, 3):
-                        for chunk in (64, 128, 256, 512):
-                            knobs = dict(
-                                chunk=chunk, max_rows=max_rows, block_n=block_n, num_warps=warps, num_stages=stages
-                            )
-                            run = partial(default, **knobs)
-                            try:
-                                torch.testing.assert_close(run(), reference, atol=2e-2, rtol=2e-2)
-                                ms = _device_ms(run)
-                            except Exception as exc:  # a configuration that does not fit this GPU: skipped
-                                if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
-                                    raise
-                                continue
-                            if ms < best["ms"]:
-                                best = {"ms": ms, "config": knobs}
+        default_ms = _device_ms(default)
+        configs = []
+        chunk = 64
+        while chunk < 2 * span:
+            for max_rows in (64, 128):
+                for stages in (2, 3):
+                    knobs = dict(chunk=chunk, max_rows=max_rows, num_stages=stages)
+                    run = partial(default, **knobs)
+                    try:
+                        torch.testing.assert_close(run(), reference, atol=2e-2, rtol=2e-2)
+                        configs.append({**knobs, "ms": round(_device_ms(run), 4)})
+                    except Exception as exc:  # a configuration that does not fit this GPU: skipped
+                        if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                            raise
+            chunk *= 2
+        best = min(configs, key=lambda c: c["ms"])
         out.append(
             {
                 "batch": batch,
                 "tokens": T,
                 "context": context,
+                "span": span,
                 "default_ms": round(default_ms, 4),
-                "best_ms": round(best["ms"], 4),
-                "best": best["config"],
+                "best_ms": best["ms"],
+                "best": {k: v for k, v in best.items() if k != "ms"},
+                "configs": configs,
             }
         )
         print(json.dumps(out[-1]), flush=True)

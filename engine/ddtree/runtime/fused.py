@@ -143,7 +143,7 @@ class TritonAttention(FusedAttention):
 
     def metadata(self, mask: Tensor) -> Tensor | None:
         bs, _, T, _ = mask.shape
-        return kernels.mask_extent(mask) if self.uses_tree_attention(bs, T) else None
+        return kernels.mask_bounds(mask) if self.uses_tree_attention(bs, T) else None
 
     def qkv(self, x: Tensor) -> Tensor:
         if x.shape[0] * x.shape[1] == 1:
@@ -470,7 +470,7 @@ class TritonDrafterAttention(_FusedQKV, DrafterAttention):
         return [part.view(*out.shape[:2], n, self.head_dim) for part, n in zip(parts, heads)]
 
     def metadata(self, mask: Tensor) -> Tensor | None:
-        return kernels.mask_extent(mask)
+        return kernels.mask_bounds(mask)
 
     def append_context(self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor) -> None:
         assert self.wqkv is not None

@@ -9,7 +9,7 @@ replace them:
   add_rms_norm     residual add + RMSNorm of the sum
 
 and, for a batch-1 decode step, `gemv` replaces cuBLAS's split-K GEMMs for one row (with silu_mul folded
-into the down projection). `attention` (with `mask_extent`, once per forward) and `best_first_tree`
+into the down projection). `attention` (with `mask_bounds`, once per forward) and `best_first_tree`
 replace SDPA over the tree mask and the DDTree tree's many small kernels. For 2-64 rows (a verify
 forward), `skinny_linear` runs the o projection (as K-split partial products that add_rms_norm sums) and
 the gate/up projection (with silu_mul folded in) closer to the HBM bound than cuBLAS does.
@@ -344,21 +344,41 @@ if triton is not None:
             rank = tl.where(at, 0, rank)
 
     @triton.jit
+    def _attention_step(
+        q, k, v, seen, m_i, l_i, acc, scale, MASKED: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr
+    ):
+        # one block of keys into the running softmax of a block of query rows (flash attention)
+        if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if MASKED:
+            scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _attention_partial_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
         map_ptr,
         mask_ptr,
-        extent_ptr,
+        bounds_ptr,
         rows_ptr,
         acc_ptr,
         ml_ptr,
+        out_ptr,
         T,
         span,
         scale,
         SPLITS,
         ROW_BLOCKS,
+        CHUNK,
         q_sb,
         q_sh,
         q_st,
@@ -371,10 +391,13 @@ if triton is not None:
         m_st,
         m_ss,
         rows_s,
+        o_sb,
+        o_st,
+        o_sh,
         H: tl.constexpr,
         GROUP: tl.constexpr,
         D: tl.constexpr,
-        CHUNK: tl.constexpr,
+        DIRECT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -418,64 +441,69 @@ if triton is not None:
         vbase = v_ptr + kvh * v_sh
         slot_map = map_ptr + row * map_sb  # the row's logical slot j is at physical slot slot_map[j]
         # keys from the last one any query of the sequence sees on are not read (a graph's span bucket
-        # is often far longer than the live text): a scalar test, where a test of the mask tile took a
+        # is often far longer than the live text): a scalar bound, where a test of the mask tile took a
         # reduction over the tile and kept the key loads waiting for the mask (measured slower on an
-        # H200: docs/engine.md, "Fused kernels")
-        extent = tl.minimum(tl.load(extent_ptr + b), span)
+        # H200: docs/engine.md, "Fused kernels"). Key blocks inside the prefix every query sees (the
+        # committed text of a verify or a draft) skip the mask: its loads and selects took a third of
+        # the kernel's time at 33 tokens and batch 16.
+        extent = tl.minimum(tl.load(bounds_ptr + b * 2), span)
+        shared = tl.minimum(tl.load(bounds_ptr + b * 2 + 1), extent)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, extent)
+        mid = tl.maximum(lo, lo + (tl.minimum(hi, shared) - lo) // BLOCK_N * BLOCK_N)  # whole blocks before it
         # each step loads the next step's physical slots, so that its key and value loads wait on no
         # index load of their own
-        j = split * CHUNK + j0
-        slot_next = tl.load(slot_map + j, mask=j < extent, other=0)
-        for n0 in range(0, CHUNK, BLOCK_N):
-            if split * CHUNK + n0 < extent:
-                j = split * CHUNK + n0 + j0
-                live = j < extent
-                slot = slot_next.to(tl.int64)
-                slot_next = tl.load(slot_map + j + BLOCK_N, mask=j + BLOCK_N < extent, other=0)
-                seen = (
-                    tl.load(
-                        mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
-                        mask=used[:, None] & live[None, :],
-                        other=0,
-                    )
-                    != 0
+        slot_next = tl.load(slot_map + lo + j0, mask=lo + j0 < hi, other=0)
+        for n0 in range(lo, mid, BLOCK_N):  # keys every query sees: no mask
+            slot = slot_next.to(tl.int64)
+            slot_next = tl.load(slot_map + n0 + BLOCK_N + j0, mask=n0 + BLOCK_N + j0 < hi, other=0)
+            k = tl.load(kbase + slot[:, None] * k_ss + d[None, :], mask=d[None, :] < D, other=0.0)
+            v = tl.load(vbase + slot[:, None] * v_ss + d[None, :], mask=d[None, :] < D, other=0.0)
+            m_i, l_i, acc = _attention_step(q, k, v, None, m_i, l_i, acc, scale, False, FP32_DOT, PRECISION)
+        for n0 in range(mid, hi, BLOCK_N):
+            j = n0 + j0
+            live = j < hi
+            slot = slot_next.to(tl.int64)
+            slot_next = tl.load(slot_map + j + BLOCK_N, mask=j + BLOCK_N < hi, other=0)
+            seen = (
+                tl.load(
+                    mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
+                    mask=used[:, None] & live[None, :],
+                    other=0,
                 )
-                k = tl.load(kbase + slot[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
-                v = tl.load(vbase + slot[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
-                if FP32_DOT:
-                    k, v = k.to(tl.float32), v.to(tl.float32)
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                scores = tl.where(seen, scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-                p = tl.exp(scores - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m_i = m_new
-        part = ((b * H + head) * SPLITS + split) * T + t  # [bs, heads, splits, T]
-        tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=used[:, None])
-        tl.store(ml_ptr + part * 2, m_i, mask=used)
-        tl.store(ml_ptr + part * 2 + 1, l_i, mask=used)
+                != 0
+            )
+            k = tl.load(kbase + slot[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+            v = tl.load(vbase + slot[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+            m_i, l_i, acc = _attention_step(q, k, v, seen, m_i, l_i, acc, scale, True, FP32_DOT, PRECISION)
+        if DIRECT:  # one chunk holds every key: this is the softmax, written as the output
+            o = acc / tl.where(used, l_i, 1.0)[:, None]  # padding rows: no 0 / 0
+            out = out_ptr + b * o_sb + t[:, None] * o_st + head[:, None] * o_sh + d[None, :]
+            tl.store(out, o.to(out_ptr.dtype.element_ty), mask=used[:, None] & (d[None, :] < D))
+        else:
+            part = ((b * H + head) * SPLITS + split) * T + t  # [bs, heads, splits, T]
+            # a row that saw no key of this chunk (every row, in chunks past the extent) leaves its acc
+            # unwritten: the combine kernel does not read it
+            seen_any = used & (m_i != float("-inf"))
+            tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=seen_any[:, None])
+            tl.store(ml_ptr + part * 2, m_i, mask=used)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=used)
 
     @triton.jit
-    def _mask_extent_kernel(
-        mask_ptr, extent_ptr, T, span, m_sb, m_st, m_ss, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr
+    def _mask_bounds_kernel(
+        mask_ptr, bounds_ptr, T, span, m_sb, m_st, m_ss, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr
     ):
-        # program (sequence b, BLOCK_S slots): extent[b] = max(extent[b], 1 + last of them a query sees)
+        # program (sequence b, BLOCK_S slots): bounds[b, 0] = max(itself, 1 + the last of these slots a
+        # query sees), bounds[b, 1] = min(itself, the first of them some query does not see)
         b = tl.program_id(0).to(tl.int64)
         t = tl.arange(0, BLOCK_T)
         s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-        seen = (
-            tl.load(
-                mask_ptr + b * m_sb + t[:, None] * m_st + s[None, :] * m_ss,
-                mask=(t < T)[:, None] & (s < span)[None, :],
-                other=0,
-            )
-            != 0
-        )
+        inside = (t < T)[:, None] & (s < span)[None, :]
+        seen = tl.load(mask_ptr + b * m_sb + t[:, None] * m_st + s[None, :] * m_ss, mask=inside, other=0) != 0
         last = tl.max(tl.max(tl.where(seen, s[None, :] + 1, 0), axis=1), axis=0)
-        tl.atomic_max(extent_ptr + b, last)
+        tl.atomic_max(bounds_ptr + b * 2, last)
+        first_unseen = tl.min(tl.min(tl.where(inside & ~seen, s[None, :], span), axis=1), axis=0)
+        tl.atomic_min(bounds_ptr + b * 2 + 1, first_unseen)
 
     @triton.jit
     def _attention_combine_kernel(
@@ -503,7 +531,8 @@ if triton is not None:
         l = tl.load(ml_ptr + part * 2 + 1, mask=s < SPLITS, other=0.0)
         top = tl.max(m, axis=0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
-        acc = tl.load(acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+        seen = (s < SPLITS) & (m != float("-inf"))
+        acc = tl.load(acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=seen[:, None], other=0.0)
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + b * o_sb + t * o_st + h * o_sh + d, o.to(out_ptr.dtype.element_ty), mask=d < D)
 
@@ -857,32 +886,41 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
     return tokens, parents, node_depth, valid.bool(), visible, scores
 
 
-def attention_chunk(bs: int, T: int, row_programs: int) -> int:
+def attention_chunk(bs: int, T: int, row_programs: int, span: int) -> int:
     """Key slots per program. Few programs along the rows (bs * KV heads * row blocks) need short
-    chunks to fill the GPU; many take long ones, which cut the partial results to merge.
-    Fastest of 32/64/128/256 on the 8B shape at 1024 tokens of context on an H200 (2026-11-29;
-    docs/engine.md, "Fused kernels"): one token: 32 at batch 1, 64 at batch 16; verify
-    and draft widths: 64 for 8 and 16 row programs (batch 1, 9/16/17 tokens), 128 for 24 and 40
-    (batch 1, 33 and 65 tokens), 256 from 96 (batch 4, 33 tokens; batch 16, 9 and 17 tokens)."""
-    if T == 1:
-        return 32 if bs < 16 else 64
-    return 256 if row_programs >= 64 else 128 if row_programs >= 24 else 64
+    chunks to fill the GPU; many take long ones, which cut the partial results to write and merge, down
+    to one chunk for the whole span (no merge). Fastest of 64..4096 (two stages) on the 8B shape at 1200
+    of 2048 and 3000 of 4096 slots on an H200 (2026-12-04, `bench.attention_sweep`; docs/engine.md,
+    "Fused kernels"): 64 for a one-token step at batch 1 and 128 for 9 and 16 tokens (8 row programs),
+    256 for 33 tokens at batch 1 (24), 512 for batch 4 at 33 tokens and batch 16 at 1 to 16 (96-128),
+    1024 for batch 16 at 33 (384), the whole span from batch 64 (512)."""
+    if row_programs >= 512:
+        return triton.next_power_of_2(span)
+    if row_programs >= 256:
+        return 1024
+    if row_programs >= 64:
+        return 512
+    if row_programs >= 24:
+        return 256
+    return 64 if T == 1 else 128
 
 
-def mask_extent(mask: Tensor) -> Tensor:
-    """[bs] int32: one past the last slot any query of each sequence sees, for a [bs, 1, T, span] bool
-    mask (broadcast strides are fine). The layers of a forward share one mask, so the model computes this
-    once per forward for `attention` (fused.TritonAttention.metadata)."""
+def mask_bounds(mask: Tensor) -> Tensor:
+    """[bs, 2] int32 for a [bs, 1, T, span] bool mask (broadcast strides are fine): per sequence, one past
+    the last slot any query sees, and the number of leading slots every query sees. `attention` reads no
+    key past the first and no mask before the second. The layers of a forward share one mask, so the
+    model computes this once per forward (fused.TritonAttention.metadata)."""
     bs, _, T, span = mask.shape
-    extent = torch.zeros(bs, dtype=torch.int32, device=mask.device)
+    bounds = torch.zeros(bs, 2, dtype=torch.int32, device=mask.device)
+    bounds[:, 1] = span
     if bs * T * span:
         m8 = mask.view(torch.int8)
         block_t = triton.next_power_of_2(T)
         block_s = max(128, 8192 // block_t)
-        _mask_extent_kernel[(bs, triton.cdiv(span, block_s))](
-            m8, extent, T, span, m8.stride(0), m8.stride(2), m8.stride(3), BLOCK_T=block_t, BLOCK_S=block_s, num_warps=4
+        _mask_bounds_kernel[(bs, triton.cdiv(span, block_s))](
+            m8, bounds, T, span, m8.stride(0), m8.stride(2), m8.stride(3), BLOCK_T=block_t, BLOCK_S=block_s, num_warps=4
         )
-    return extent
+    return bounds
 
 
 def attention(
@@ -892,7 +930,7 @@ def attention(
     slot_map: Tensor,
     mask: Tensor,
     rows: Tensor | None,
-    extent: Tensor | None = None,
+    bounds: Tensor | None = None,
     chunk: int | None = None,
     max_rows: int = 64,
     block_n: int = 64,
@@ -904,15 +942,16 @@ def attention(
     q [bs, heads, T, hd]; caches [kv_heads, physical slots, hd] (GQA: heads a multiple of kv_heads);
     slot_map [max_batch, logical slots] int32: each cache row's physical slot of each logical slot;
     mask [bs, 1, T, span] bool (broadcast strides are fine) says which of the first `span` logical slots
-    each query sees; rows [bs] cache rows (None: 0..bs-1); extent: mask_extent(mask) (computed here when None).
+    each query sees; rows [bs] cache rows (None: 0..bs-1); bounds: mask_bounds(mask) (computed here when None).
     Returns [bs, T, heads * hd], the layout o_proj takes.
 
     SDPA runs a verify with one program per head streaming every key (most SMs idle), and turns the
     boolean mask into an additive one in every layer. Here the keys are split into chunks of `chunk`
     slots (default: attention_chunk), one program per (sequence, KV head, block of max_rows rows of its
-    query heads, chunk), and a second kernel merges the chunks' softmaxes: flash-decoding with the mask
-    read as is. max_rows, block_n (keys per step), num_warps
-    and num_stages are tuning knobs, kept as arguments for configuration sweeps."""
+    query heads, chunk), and a second kernel merges the chunks' softmaxes (flash-decoding); with one
+    chunk for the whole span the programs write the output themselves. The mask is read as is, and only
+    past the prefix every query sees. max_rows, block_n (keys per step), num_warps and num_stages are
+    tuning knobs, kept as arguments for configuration sweeps."""
     bs, heads, T, hd = q.shape
     kv_heads, span = k_cache.shape[0], mask.shape[-1]
     assert heads % kv_heads == 0 and span <= slot_map.shape[1] and slot_map.stride(1) == 1
@@ -926,27 +965,31 @@ def attention(
     block_m = min(max_rows, max(16, triton.next_power_of_2(group * T)))
     block_d = max(16, triton.next_power_of_2(hd))
     row_blocks = triton.cdiv(group * T, block_m)
-    chunk = chunk or attention_chunk(bs, T, bs * kv_heads * row_blocks)
+    chunk = chunk or attention_chunk(bs, T, bs * kv_heads * row_blocks, span)
     splits = triton.cdiv(span, chunk)
-    acc = torch.empty(bs * heads * splits * T, block_d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(bs * heads * splits * T, 2, dtype=torch.float32, device=q.device)
+    direct = splits == 1
+    # the chunks' partial softmaxes (unused when one chunk holds every key)
+    acc = torch.empty(0 if direct else bs * heads * splits * T, block_d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(0 if direct else bs * heads * splits * T, 2, dtype=torch.float32, device=q.device)
     m8 = mask.view(torch.int8)
-    extent = mask_extent(mask) if extent is None else extent
+    bounds = mask_bounds(mask) if bounds is None else bounds
     _attention_partial_kernel[(bs * kv_heads * row_blocks, splits)](
         q,
         k_cache,
         v_cache,
         slot_map,
         m8,
-        extent,
+        bounds,
         rows if rows is not None else m8,
         acc,
         ml,
+        out,
         T,
         span,
         hd**-0.5,
         splits,
-        row_blocks,  # runtime values: new prompt lengths compile nothing new
+        row_blocks,
+        chunk,  # runtime values: new prompt lengths and spans compile nothing new
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -959,10 +1002,13 @@ def attention(
         m8.stride(2),
         m8.stride(3),
         rows.stride(0) if rows is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         H=heads,
         GROUP=group,
         D=hd,
-        CHUNK=chunk,
+        DIRECT=direct,
         BLOCK_M=block_m,
         BLOCK_N=min(block_n, chunk),
         BLOCK_D=block_d,
@@ -972,19 +1018,20 @@ def attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    _attention_combine_kernel[(bs * heads, T)](
-        acc,
-        ml,
-        out,
-        T,
-        splits,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        H=heads,
-        D=hd,
-        S_PAD=triton.next_power_of_2(splits),
-        BLOCK_D=block_d,
-        num_warps=1 if block_d <= 64 else 2,
-    )
+    if not direct:
+        _attention_combine_kernel[(bs * heads, T)](
+            acc,
+            ml,
+            out,
+            T,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            H=heads,
+            D=hd,
+            S_PAD=triton.next_power_of_2(splits),
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+        )
     return out.view(bs, T, heads * hd)

@@ -447,15 +447,16 @@ class DFlashDrafter(nn.Module):
         scale = self.config.input_embedding_scale
         x = block_embeds if scale == 1.0 else block_embeds * scale
         bs, T, _ = x.shape
-        meta = self.layers[0].self_attn.metadata(mask.expand(bs, 1, T, mask.shape[-1])) if self.layers else None
-        masks: dict[tuple[int | None, bool], Tensor] = {}  # one per kind of layer in this drafter
+        # one mask per kind of layer in this drafter, with what its layers share about it (metadata)
+        masks: dict[tuple[int | None, bool], tuple[Tensor, Tensor | None]] = {}
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         h = self.layers[0].input_layernorm(x) if self.layers else self.norm(x)
         for layer, next_norm in zip(self.layers, norms):
             kind = (layer.sliding_window, layer.causal)
             if kind not in masks:
-                masks[kind] = self.layer_mask(mask, block_positions, *kind)
-            x, h = layer(x, h, next_norm, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, masks[kind], meta)
+                layer_mask = self.layer_mask(mask, block_positions, *kind).expand(bs, 1, T, mask.shape[-1])
+                masks[kind] = layer_mask, layer.self_attn.metadata(layer_mask)
+            x, h = layer(x, h, next_norm, ctx, rope_blk, rope_ctx, block_slots, ctx_slots, *masks[kind])
         return h
 
     @staticmethod
@@ -463,8 +464,7 @@ class DFlashDrafter(nn.Module):
         """`mask` [bs, 1, BS, span] narrowed for a layer: a causal layer's query sees no key past its own slot;
         a windowed one sees the keys within window - 1 slots before it (and, bidirectional, after it). The
         drafter cache keeps each token at the slot of its position (the Engine writes it so; an inactive row's
-        block goes to the trash slot), so this is over positions, the context's and the block's alike. The
-        same extent (meta) still bounds it."""
+        block goes to the trash slot), so this is over positions, the context's and the block's alike."""
         if window is None and not causal:
             return mask
         keys = torch.arange(mask.shape[-1], device=mask.device)
