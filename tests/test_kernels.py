@@ -10,6 +10,8 @@ bf16 tolerances allow a unit in the last place either way.
 """
 
 import copy
+import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -529,26 +531,34 @@ def test_engine_with_kernels_is_lossless():
         assert [r.token_ids for r in engine.generate(prompts, params)] == expect, method
 
 
-def run_drafter(kernels: bool, dtype: torch.dtype = torch.float32, layers: int = 2) -> tuple[Tensor, Tensor]:
+def run_drafter(
+    kernels: bool, dtype: torch.dtype = torch.float32, layers: int = 2, window: int | None = None, prompt: int = 6
+) -> tuple[Tensor, Tensor]:
     """A drafter's block output and its caches after a prompt's context append (prompt rows given) and a
-    round (3 staged context rows, the last one padding sent to the trash slot, then a block of 4)."""
+    round (3 staged context rows, the last one padding sent to the trash slot, then a block of 4). With a
+    window, the first layer is a causal sliding-window layer over it."""
     from ddtree.speculative.drafter import DrafterConfig, init_drafter
     from tiny_models import random_target
 
     target = random_target(seed=5)
-    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=layers, block_size=4), seed=6)
+    config = DrafterConfig.for_target(target.config, num_layers=layers, block_size=4)
+    if window is not None:
+        types = ["sliding_attention"] + ["full_attention"] * (layers - 1)
+        config = dataclasses.replace(config, layer_types=types, sliding_window=window)
+    drafter = init_drafter(config, seed=6)
     drafter = drafter.to(dtype)
     use_drafter_backend(drafter, "triton" if kernels else "torch")
-    drafter.setup_caches(max_batch=3, max_slots=24)
+    slots = prompt + 18  # the trash slot is the next one
+    drafter.setup_caches(max_batch=3, max_slots=slots)
     g = torch.Generator().manual_seed(0)
-    feat = torch.randn(2, 6, drafter.fc.in_features, generator=g).to(dtype)
-    j = torch.arange(6)
+    feat = torch.randn(2, prompt, drafter.fc.in_features, generator=g).to(dtype)
+    j = torch.arange(prompt)
     with torch.no_grad():
         drafter.append_context(feat, j.expand(2, -1), j.expand(2, -1), rows=torch.tensor([2, 0]))
-        ctx_pos = torch.tensor([[6, 7, 8], [6, 7, 8]])
-        ctx_slots = torch.tensor([[6, 7, 24], [6, 7, 24]])
-        block_pos = 8 + torch.arange(4).expand(2, -1)
-        mask = torch.ones(2, 1, 4, 12, dtype=torch.bool)
+        ctx_pos = (prompt + torch.arange(3)).expand(2, -1)
+        ctx_slots = torch.tensor([prompt, prompt + 1, slots]).expand(2, -1)
+        block_pos = prompt + 2 + torch.arange(4).expand(2, -1)
+        mask = torch.ones(2, 1, 4, prompt + 6, dtype=torch.bool)
         out = drafter(
             torch.randn(2, 4, target.config.hidden_size, generator=g).to(dtype),
             block_pos,
@@ -559,17 +569,25 @@ def run_drafter(kernels: bool, dtype: torch.dtype = torch.float32, layers: int =
             ctx_slots,
         )
     caches = [
-        torch.stack([torch.stack(layer.self_attn.kv_cache.row(r, 24)) for r in range(drafter.max_batch)])
+        torch.stack([torch.stack(layer.self_attn.kv_cache.row(r, slots)) for r in range(drafter.max_batch)])
         for layer in drafter.layers
     ]
     return out, torch.stack(caches)
 
 
 @interp
-def test_drafter_with_kernels_equals_without():
+@pytest.mark.parametrize("window", [None, 3])
+def test_drafter_with_kernels_equals_without(monkeypatch, window):
     """The drafter's block forward and context append with the kernels (fused q/k/v, residual adds fused
-    with the norms after them): outputs and caches as with the PyTorch path."""
-    for a, b in zip(run_drafter(kernels=True), run_drafter(kernels=False)):
+    with the norms after them): outputs and caches as with the PyTorch path; with a sliding-window layer
+    too, whose mask has its own bounds: the full layer's block sees the whole context, the windowed
+    one's nothing of it before the window (key blocks of 16, so that the context spans two whole ones)."""
+    from ddtree.runtime import kernels
+
+    monkeypatch.setattr(kernels, "attention", functools.partial(kernels.attention, block_n=16))
+    for a, b in zip(
+        run_drafter(kernels=True, window=window, prompt=40), run_drafter(kernels=False, window=window, prompt=40)
+    ):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
