@@ -358,9 +358,9 @@ def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -
 @torch.inference_mode()
 def attention_sweep(device="cuda", shapes=None) -> list[dict]:
     """kernels.attention's tuning knobs (chunk: key slots per program, up to one chunk for the whole span;
-    max_rows; num_stages) swept at the Qwen3-8B geometry (32 query heads, 8 KV heads of 128) for decode,
-    draft and verify widths at batch 1 to 64, with `context` cached tokens in a `span`-slot graph bucket:
-    per shape, the default's time and every configuration's."""
+    max_rows; num_stages) swept at the Qwen3-8B geometry (32 query heads, 8 KV heads of 128) over `shapes`
+    (batch, query tokens, cached tokens, span of the graph bucket; default: decode, draft and verify
+    widths at batch 1 to 64): per shape, the default's time and every configuration's."""
     from ..models.layers import identity_slot_map
     from . import kernels
 
