@@ -889,9 +889,9 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
 def attention_chunk(bs: int, T: int, row_programs: int, span: int) -> int:
     """Key slots per program. Few programs along the rows (bs * KV heads * row blocks) need short
     chunks to fill the GPU; many take long ones, which cut the partial results to write and merge, down
-    to one chunk for the whole span (no merge). Fastest of 64..4096 (two stages) on the 8B shape at 1200
-    of 2048 and 3000 of 4096 slots on an H200 (2026-12-04, `bench.attention_sweep`; docs/engine.md,
-    "Fused kernels"): 64 for a one-token step at batch 1 and 128 for 9 and 16 tokens (8 row programs),
+    to one chunk for the whole span (no merge). Within 8 % of the fastest of 64..4096 (two stages) on the
+    8B shape at 1200 of 2048 and 3000 of 4096 slots on an H200 (2026-12-04, `bench.attention_sweep`;
+    docs/engine.md, "Fused kernels"): 64 for a one-token step at batch 1 and 128 for 9 and 16 tokens (8 row programs),
     256 for 33 tokens at batch 1 (24), 512 for batch 4 at 33 tokens and batch 16 at 1 to 16 (96-128),
     1024 for batch 16 at 33 (384), the whole span from batch 64 (512)."""
     if row_programs >= 512:
