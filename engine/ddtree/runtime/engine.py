@@ -298,7 +298,7 @@ class Engine:
             pool.release(shared)
             raise
         self.row_pages[row] = shared + fresh
-        self._map_row(row)
+        self._map_pages(row)
         return len(shared) * PAGE_SIZE
 
     def pages_wanted(self, row: int) -> int:
@@ -317,21 +317,24 @@ class Engine:
         pages = self.row_pages[row]
         first = len(pages)
         pages += self.page_pool.take(want)
-        # only the new pages' slots: past them the map already points at the trash slot
-        self._map_row(row, first * PAGE_SIZE, min(len(pages) * PAGE_SIZE, self.max_slots))
+        self._map_pages(row, first)
         return True
 
-    def _map_row(self, row: int, start: int = 0, end: int | None = None) -> None:
-        """Write row `row`'s slot map (the target's, which the drafter shares) for logical slots start..end
-        (default: all, the logical trash slot max_slots included): slot s is slot s % PAGE_SIZE of its page
-        s // PAGE_SIZE; slots past its pages, and the logical trash slot, go to the trash slot."""
-        pages, trash = self.row_pages[row], self.target.pool_slots
-        s = torch.arange(start, self.max_slots + 1 if end is None else end)
-        table = torch.full_like(s, trash)
-        held = (s // PAGE_SIZE < len(pages)) & (s < self.max_slots)
-        if held.any():
-            table[held] = torch.tensor(pages)[s[held] // PAGE_SIZE] * PAGE_SIZE + s[held] % PAGE_SIZE
-        self.target.slot_map[row, start : start + len(s)].copy_(table)
+    def _mapped_slots(self, row: int) -> int:
+        """Logical slots of row `row` that its pages hold (the rest map to the trash slot)."""
+        return min(len(self.row_pages[row]) * PAGE_SIZE, self.max_slots)
+
+    def _map_pages(self, row: int, first: int = 0) -> None:
+        """Point row `row`'s slot map (the target's, which the drafter shares) at its pages from page `first`
+        on: logical slot s is slot s % PAGE_SIZE of page s // PAGE_SIZE. Slots past its pages, and the logical
+        trash slot max_slots, stay at the trash slot (release puts them back), so that a row's map changes
+        only where its pages do: one small copy per new page run, between rounds where serving waits on it."""
+        start, end = first * PAGE_SIZE, self._mapped_slots(row)
+        if end <= start:
+            return
+        pages = torch.tensor(self.row_pages[row][first:], dtype=torch.int32)
+        slots = (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, dtype=torch.int32)).flatten()
+        self.target.slot_map[row, start:end].copy_(slots[: end - start])
 
     def cached_text(self, row: int) -> list[int]:
         """The tokens whose keys and values are in slots 0.. of row `row`'s target and drafter caches."""
@@ -546,8 +549,8 @@ class Engine:
         if self.row_pages[row]:
             self.page_pool.publish(self.row_pages[row], self.cached_text(row))
             self.page_pool.release(self.row_pages[row])
+            self.target.slot_map[row, : self._mapped_slots(row)].fill_(self.target.pool_slots)
             self.row_pages[row] = []
-            self._map_row(row)
         self.texts[row] = []
         self.prefills.pop(row, None)
         if self.budgets is not None:
