@@ -172,20 +172,29 @@ class ScriptedEngine(UnlimitedPages):
 
 
 def run_requests(engine, tokenizer, reqs, max_waiting=4):
-    """Run (prompt, SamplingParams, stop) requests through a Scheduler; returns per request its events."""
+    """Run (prompt, SamplingParams, stop) requests through a Scheduler; returns per request its events. A
+    request is done when its last event has been flushed (as the server's sinks, which keep events until
+    the scheduler's flush)."""
     from ddtree.serving.scheduler import Request, Scheduler
 
-    m = ServerMetrics("test")
-    sched = Scheduler(engine, tokenizer, m, max_waiting)
-    sched.start()
     done = [threading.Event() for _ in reqs]
     events = [[] for _ in reqs]
+    unflushed: list[tuple[int, object]] = []
+
+    def flush():
+        for i, ev in unflushed:
+            if ev.finish_reason or ev.error:
+                done[i].set()
+        unflushed.clear()
+
+    m = ServerMetrics("test")
+    sched = Scheduler(engine, tokenizer, m, max_waiting, flush=flush)
+    sched.start()
 
     def sink(i):
         def put(ev):
             events[i].append(ev)
-            if ev.finish_reason or ev.error:
-                done[i].set()
+            unflushed.append((i, ev))
 
         return put
 

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .tools import ToolCallFormat, ToolRequest
 from .auth import OPEN_PREFIXES, authorized
 from .protocol import COMPLETION_PATHS, APIError, Sampling, bad_request, chat_logprobs, completion_logprobs
+from .relay import EventRelay
 
 log = logging.getLogger("ddtree.server")
 
@@ -121,6 +122,7 @@ class EngineServer:
         self.exit_code = 0
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.relay = EventRelay()  # the engine thread's events to the request queues of the event loop
         self.stopped: asyncio.Event | None = None
         self.loader: threading.Thread | None = None
         self.leader: Leader | None = None  # when tensor parallel: the engine calls go through it
@@ -238,7 +240,12 @@ class EngineServer:
         )
         # decoding happens on the engine thread: give it its own tokenizer instance
         self.scheduler = Scheduler(
-            engine, copy.deepcopy(tokenizer), self.metrics, serving.waiting_limit, serving.prefix_cache
+            engine,
+            copy.deepcopy(tokenizer),
+            self.metrics,
+            serving.waiting_limit,
+            serving.prefix_cache,
+            flush=self.relay.flush,
         )
         compiles.on_compile(self._kernel_compiled)
         self.scheduler.start()
@@ -524,20 +531,12 @@ class EngineServer:
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-
-        def sink(ev) -> None:  # called on the engine thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, ev)
-            except RuntimeError:  # the event loop is closed (shutting down): nobody is listening
-                pass
-
         req = Request(
             prompt,
             params,
             s.stop,
-            sink,
+            functools.partial(self.relay.put, asyncio.get_running_loop(), queue),  # called on the engine thread
             skip_special_tokens=not (reads_calls and self.tool_markers_special),
             logprobs=s.logprobs,
             constraint=constraint,

@@ -16,8 +16,9 @@ One engine thread owns the Engine. Each iteration it
   6. releases finished rows.
 So a long prompt costs the running requests one chunk's forward per round, not a whole prefill.
 Requests join and leave only between rounds. The sink is called on the engine thread; the server
-passes one that forwards to an asyncio queue with `loop.call_soon_threadsafe`, so that the event
-loop never waits on torch.
+passes one that keeps events for an asyncio queue, and a `flush` that the scheduler calls after each batch
+of them and that wakes the event loop once for the batch (relay.EventRelay), so that the event loop never
+waits on torch and the engine thread does not hand the GIL to the loop once per event.
 
 Memory: a request is admitted when a row is free and the KV cache has the pages its prompt and its first
 round can fill (less the pages of its prompt's start that the page index shares: runtime/pages.py), with
@@ -37,11 +38,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..runtime.constrained import Constraint, constrain
 from ..runtime.engine import SamplingParams
+from .detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("ddtree.scheduler")
 
@@ -74,47 +76,6 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[str, float]]
-
-
-class IncrementalDetokenizer:
-    """Token ids in, text out, never splitting a UTF-8 character across deltas.
-
-    Decodes a small window of recent tokens twice (with and without the new one) and returns the
-    difference, holding back text while it ends in U+FFFD (an incomplete multi-byte character). A
-    few prompt tokens seed the window so that tokenizers whose pieces depend on the previous token
-    (SentencePiece leading spaces) decode the first generated token correctly."""
-
-    def __init__(self, tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True):
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        ctx = list(context[-4:])
-        if ctx and self._decode(ctx).endswith("\ufffd"):
-            ctx = []
-        self.ids = ctx
-        self.prefix = 0  # window start
-        self.read = len(ctx)  # tokens up to here are already in the output
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
-        )
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before) :]
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is still held back (at the end of the request, incomplete characters included)."""
-        if self.read >= len(self.ids):
-            return ""
-        before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        self.prefix = self.read = len(self.ids)
-        return after[len(before) :]
 
 
 _ids = itertools.count()
@@ -181,8 +142,19 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine, tokenizer, metrics, max_waiting: int = 32, prefix_cache: bool = True):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        metrics,
+        max_waiting: int = 32,
+        prefix_cache: bool = True,
+        flush: Callable[[], None] = lambda: None,
+    ):
         self.engine = engine
+        # called after each batch of sink calls (the prefill's first tokens, a round's text, failures): the
+        # server's sinks keep events until then (relay.EventRelay)
+        self.flush = flush
         self.tokenizer = tokenizer  # used on the engine thread only (decoding)
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -310,6 +282,7 @@ class Scheduler:
                     self._admit(req.row, req)
                 self._admitting.remove(req)  # after: an engine failure in _admit leaves it to _fail_all
             self._prefill()
+            self.flush()
             self.metrics.requests_running.set(self.running)
             self._set_load()
             busy = bool(admits or self.running)
@@ -317,6 +290,7 @@ class Scheduler:
                 self._make_room()
             if self._running:
                 self._round()
+            self.flush()
             if busy:
                 self.metrics.scheduler_iteration_seconds.observe(time.perf_counter() - start)
             self._update_gauges()
@@ -544,6 +518,7 @@ class Scheduler:
                 self._error(req, status, message)
             else:
                 self._finish(req, None)
+        self.flush()
         self.metrics.requests_running.set(0)
         self.metrics.requests_waiting.set(0)
         self.metrics.load.set(0)
