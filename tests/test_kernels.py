@@ -272,37 +272,19 @@ def check_move_slots(device, dtype):
         assert torch.equal(got.cpu(), want), (planes, batch, heads, slots, width, n)
 
 
-def top_logprobs_reference(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Each row's k largest fp64 log_softmax values of its fp32 values, equal values lower index first."""
-    x = x.float()
-    ids = torch.sort(-x, dim=-1, stable=True).indices[..., :k]
-    return torch.log_softmax(x.double(), dim=-1).gather(-1, ids).float(), ids
-
-
-def check_row_top_logprobs(device, dtype):
-    """Each row's top-k log-probabilities and ids from logits of the draft's dtype: rows shorter than a
-    chunk and not a multiple of it, k from 1 to 256 (up to V), a row of many exact ties (lower index
-    first), a probability-one row (one logit 200) and a half -inf row."""
-    from ddtree.runtime.kernels import row_top_logprobs
+def check_row_logsumexp(device, dtype):
+    """fp32 logsumexp of each row in one pass, from logits of the draft's dtype: rows longer than a block
+    and not a multiple of it, large logits (a probability-one row) and -inf entries."""
+    from ddtree.runtime.kernels import row_logsumexp
 
     g = torch.Generator().manual_seed(5)
-    for shape, ks in (
-        ((1, 2, 151936), (256,)),
-        ((3, 5000), (1, 5, 32, 100, 256)),
-        ((4, 33), (1, 5, 32, 33)),
-        ((3, 7), (1, 5, 7)),
-    ):
+    for shape in ((3, 15, 151936), (2, 1, 5000), (4, 33), (1, 1, 7)):
         x = (torch.randn(*shape, generator=g) * 4).to(dtype)
-        rows = x.view(-1, shape[-1])
-        rows[0, 3] = 200.0
-        rows[1] = rows[1].round()  # integers: a few dozen distinct values, ties at every length
-        rows[-1, : shape[-1] // 2] = float("-inf")
-        for k in ks:
-            lp, ids = row_top_logprobs(x.to(device), k)
-            want_lp, want_ids = top_logprobs_reference(x, k)
-            assert lp.shape == ids.shape == (*shape[:-1], k) and lp.dtype == torch.float32 and ids.dtype == torch.int64
-            assert torch.equal(ids.cpu(), want_ids), (shape, k)
-            torch.testing.assert_close(lp.cpu(), want_lp, atol=2e-5, rtol=2e-6)
+        x.view(-1, shape[-1])[0, 3] = 200.0
+        x.view(-1, shape[-1])[-1, : shape[-1] // 2] = float("-inf")
+        got = row_logsumexp(x.to(device)).cpu()
+        assert got.shape == shape[:-1] and got.dtype == torch.float32
+        torch.testing.assert_close(got, torch.logsumexp(x.float(), dim=-1), atol=2e-5, rtol=2e-6)
 
 
 ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask broadcast over the batch)
@@ -521,8 +503,8 @@ def test_move_slots(dtype):
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_top_logprobs(dtype):
-    check_row_top_logprobs("cpu", dtype)
+def test_row_logsumexp(dtype):
+    check_row_logsumexp("cpu", dtype)
 
 
 @interp
@@ -772,18 +754,7 @@ def test_kernels_compile_for_h200_without_a_gpu():
                 dict(B=128, CAP=256, N_PAD=256),
                 4,
             )
-        kp = 32 if dtype == "bf16" else 256  # a usual budget's; the largest (the merge: 128 KiB of shared memory)
-        compile_(
-            K._row_top_chunk_kernel, dtype, dict(keys_ptr="*i64", ml_ptr="*fp32"), dict(V=151936, CHUNK=4096, KP=kp), 8
-        )
-        if dtype == "fp32":
-            compile_(
-                K._row_top_merge_kernel,
-                dtype,
-                dict(keys_ptr="*i64", tok_ptr="*i64", K="i32"),
-                dict(CHUNKS=38, C_PAD=64, KP=kp),
-                8,
-            )
+        compile_(K._row_logsumexp_kernel, dtype, dict(out_ptr="*fp32"), dict(N=151936, BLOCK=2048), 8)
         compile_(
             K._move_slots_kernel,
             dtype,
@@ -868,7 +839,7 @@ def test_compiled_kernels_equal_the_reference(dtype):
     ]:
         check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
     check_best_first_tree("cuda")
-    check_row_top_logprobs("cuda", dtype)
+    check_row_logsumexp("cuda", dtype)
     check_move_slots("cuda", dtype)
     check_mask_bounds("cuda")
     check_attention(
