@@ -96,6 +96,8 @@ def test_auto_is_lossless_and_switches_budgets(tiny_target, tiny_drafter):
     eng._step = lambda n: budgets.append(eng.plan(n).budget) or step(n)
     res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))
     assert [r.token_ids for r in res] == [r.token_ids for r in ref]
+    # every round builds the largest tree (its first nodes forecast the smaller budgets): all draft rows
+    assert all(eng.draft_depth(n) == eng.max_depth == tiny_drafter.block_size - 1 for n in (1, 2, 3))
     assert set(eng.budgets.costs) == {(1, eng.max_slots), (2, eng.max_slots), (3, eng.max_slots)}
     assert set(eng.budgets.costs[(3, eng.max_slots)]) == {0, 8, 16, 32, 64}
     # rounds that cost the same whatever the budget: the largest tree; drafting made expensive: no draft

@@ -232,15 +232,19 @@ def test_budget_per_batch_size(tiny_target, tiny_drafter):
     assert [eng.plan(n).tree_size for n in (1, 2, 3)] == [5, 33, 13]
     with pytest.raises(ValueError, match="no round on 4 rows"):
         eng.plan(4)
-    sizes = []
-    build = eng.build_tree
+    assert eng.max_depth == tiny_drafter.block_size - 1 == 7
+    assert [eng.draft_depth(n) for n in (1, 2, 3)] == [4, 7, 7], "a tree of B nodes is B deep at most"
+    sizes, rows = [], []
+    build, propose = eng.build_tree, eng.propose
     eng.build_tree = lambda n, span: sizes.append((n, (tree := build(n, span)).size)) or tree
+    eng.propose = lambda n, span: rows.append((n, (logits := propose(n, span)).shape[1])) or logits
     res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))
     assert [r.token_ids for r in res] == [r.token_ids for r in ref]
     eng.continuations = full[1:2]
     alone = eng.generate(PROMPTS[1:2], SamplingParams(max_new_tokens=40))[0]
     assert alone.token_ids == ref[1].token_ids and alone.acceptance_length > 2.0
     assert (3, 13) in sizes and (1, 5) in sizes and all(size == eng.plan(n).tree_size for n, size in sizes)
+    assert (1, 4) in rows and all(depth == eng.draft_depth(n) for n, depth in rows)
     with pytest.raises(ValueError, match="needs method 'ddtree'"):
         Engine(tiny_target, tiny_drafter, "dflash", {1: 8})
     with pytest.raises(ValueError, match="batch sizes >= 1 and budgets >= 0"):

@@ -301,11 +301,12 @@ ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask
 
 def check_best_first_tree(device):
     """The one-launch tree equals the tensorised top-B (as sets of token paths) with the same structure
-    rules; includes padding (fewer prefixes than the budget) and probability-one rows (score ties)."""
+    rules; includes padding (fewer prefixes than the budget) and probability-one rows (score ties); with
+    B < D, the tree from the first B rows is the same tree (Engine.draft_depth)."""
     from ddtree.speculative.tree import ancestor_mask, build_ddtree
     from test_tree import brute_force_top_b, check_structure, tree_paths
 
-    cases = [(2, 3, 10), (3, 2, 4), (1, 4, 7), (4, 3, 40), (15, 50, 32), (15, 300, 128)]  # (D, V, B)
+    cases = [(2, 3, 10), (3, 2, 4), (1, 4, 7), (4, 3, 40), (15, 50, 32), (15, 300, 128), (15, 50, 6)]  # (D, V, B)
     for case, (depth, vocab, budget) in enumerate(cases):
         g = torch.Generator().manual_seed(case)
         logits = torch.randn(3, depth, vocab, generator=g) * 2
@@ -316,6 +317,10 @@ def check_best_first_tree(device):
         ref = build_ddtree(roots, logits, budget)
         got = build_ddtree_triton(roots, logits, budget)
         assert got.tokens.shape == (3, budget + 1) and got.visible.shape == (3, budget + 1, budget + 1)
+        if budget < depth:
+            shallow = build_ddtree_triton(roots, logits[:, :budget], budget)
+            for field in ("tokens", "parents", "depth", "valid", "visible", "scores"):
+                assert torch.equal(getattr(shallow, field), getattr(got, field)), (case, field)
         got = type(got)(*(t.cpu() for t in (got.tokens, got.parents, got.depth, got.valid, got.visible, got.scores)))
         assert torch.equal(got.valid, ref.valid.cpu()), case
         # both best first: the same path scores in the same (non-increasing) order, padding -inf

@@ -104,6 +104,21 @@ def test_large_vocab_budget_and_probability_one_rows():
         assert set(got) == set(heap)
 
 
+@pytest.mark.parametrize("budget", [1, 3, 8])
+def test_a_tree_of_b_nodes_needs_only_the_first_b_rows(budget):
+    """A tree of B nodes is at most B deep: built from the first B of 15 draft rows it is the same tree,
+    probability-one rows (a child tying its parent's score) included. Engine.draft_depth relies on it."""
+    g = torch.Generator().manual_seed(budget)
+    logits = torch.randn(3, 15, 40, generator=g)
+    logits[1, :, 7] = 200.0  # the best path runs through every row
+    logits[2, ::2, 3] = 200.0
+    roots = torch.tensor([1, 2, 3])
+    whole, shallow = build_ddtree(roots, logits, budget), build_ddtree(roots, logits[:, :budget], budget)
+    assert int(whole.depth[1].max()) == budget, "the probability-one chain reaches depth B"
+    for field in ("tokens", "parents", "depth", "valid", "visible", "scores"):
+        assert torch.equal(getattr(whole, field), getattr(shallow, field)), field
+
+
 def test_ancestor_mask_matches_parent_walk():
     g = torch.Generator().manual_seed(3)
     tree = build_ddtree(torch.tensor([0]), torch.randn(1, 6, 5, generator=g), 40)

@@ -601,8 +601,17 @@ class Engine:
         live = (j < count[:, None]) & self.active[:n, None]
         return ctx_pos.clamp(min=0), torch.where(live, ctx_pos, self.drafter.max_slots)
 
-    def draft_states(self, n: int, span: int) -> Tensor:
-        """Drafter forward on rows [0, n): its hidden states [n, D, H] at the D positions after the bonus."""
+    def draft_depth(self, n: int) -> int:
+        """Rows of draft logits a round on n rows uses: a tree of B nodes is at most B deep, so under a
+        budget per batch size a plan's smaller budget needs only its first B rows through the LM head and
+        the tree's top-k (budget auto builds the largest tree, whose forecast covers every candidate)."""
+        if self.method != "ddtree" or self.budgets is not None:
+            return self.max_depth
+        return min(self.plan(n).budget, self.max_depth)
+
+    def draft_states(self, n: int, span: int, depth: int) -> Tensor:
+        """Drafter forward on rows [0, n): its hidden states [n, depth, H] at the first `depth` positions
+        after the bonus (the block itself is always whole: its positions attend to each other)."""
         dev, block = self.device, self.block_size
         lengths = self.lengths[:n]
         block_tokens = torch.full((n, block), self.mask_token_id, dtype=torch.long, device=dev)
@@ -620,11 +629,12 @@ class Engine:
             ctx_pos,
             ctx_slots,
         )
-        return hidden[:, 1 : 1 + self.max_depth]
+        return hidden[:, 1 : 1 + depth]
 
     def propose(self, n: int, span: int) -> Tensor:
-        """Drafter forward on rows [0, n): [n, D, V] draft logits for the D positions after the bonus."""
-        return self.drafter.draft_logits(self.draft_states(n, span), self.target.logits)
+        """Drafter forward on rows [0, n): [n, D, V] draft logits for the D = draft_depth(n) positions
+        after the bonus."""
+        return self.drafter.draft_logits(self.draft_states(n, span, self.draft_depth(n)), self.target.logits)
 
     def propose_chain(self, n: int, span: int) -> Tensor:
         """A DFlash2 drafter's chain on rows [0, n): [n, D] tokens its candidate selector picks left to right
@@ -632,7 +642,7 @@ class Engine:
         a draft token that equals the sample, which needs no draft probabilities to be lossless."""
         drafter = self.drafter
         assert isinstance(drafter, DFlash2Drafter)
-        hidden = self.draft_states(n, span)
+        hidden = self.draft_states(n, span, self.max_depth)
         logits = drafter.draft_logits(hidden, self.target.logits)
         return drafter.select(hidden, logits, self.bonus[:n]).tokens
 

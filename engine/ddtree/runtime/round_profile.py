@@ -198,14 +198,15 @@ def phase_floors(engine, n: int, context: float, bandwidth: float, flops: float)
         drafter_bytes, drafter_elems = stored_weights(drafter)
         dcfg = drafter.config
         d_width = dcfg.num_attention_heads * dcfg.head_dim * dcfg.num_hidden_layers
-        draft_logits = n * depth * vocab * elem
+        rows = engine.draft_depth(n)  # the block's positions the LM head and the tree read
+        draft_logits = n * rows * vocab * elem
         counts["draft"] = (
             drafter_bytes
             + head.numel() * elem
             + n * (context + plan.block) * cache_bytes_per_token(drafter)
             + draft_logits,
             2 * n * plan.block * drafter_elems
-            + 2 * n * depth * hidden * vocab
+            + 2 * n * rows * hidden * vocab
             + 4 * n * plan.block * (context + plan.block) * d_width,
         )
         counts["tree"] = (draft_logits, 0)
