@@ -68,7 +68,7 @@ def _run(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
             tokens[i] += emitted
             accepted.append(len(emitted))
         if first_logits is None:
-            first_logits = engine.node_max_logit[: len(prompts), 0].float().cpu().clone()  # not a view
+            first_logits = engine.root_max_logit[: len(prompts)].float().cpu().clone()  # not a view
     for row in range(len(prompts)):
         engine.release(row)
     return [t[:max_new_tokens] for t in tokens], first_logits, accepted
