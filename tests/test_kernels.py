@@ -205,7 +205,7 @@ def check_attention(device, dtype, cases):
             tree[b, ..., : span // 2 + 3 * b + 5] = True
             tree[b, ..., span // 2 + 3 * b + 5 + T :] = False
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
-        # chunks by attention_chunk, then one chunk for every key (the output written without a combine)
+        # chunks by attention_launch, then one chunk for every key (the output written without a combine)
         for m, chunk in itertools.product((mask.to(device), cut.to(device), tree.to(device)), (None, 2 * span)):
             out = attention(q, kc, vc, slot_map, m, rows, chunk=chunk)
             sel = rows if rows_given else torch.arange(bs, device=device)

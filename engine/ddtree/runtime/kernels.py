@@ -886,23 +886,27 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
     return tokens, parents, node_depth, valid.bool(), visible, scores
 
 
-def attention_chunk(bs: int, T: int, row_programs: int, span: int) -> int:
-    """Key slots per program. Few programs along the rows (bs * KV heads * row blocks) need short
-    chunks to fill the GPU; many take long ones, which cut the partial results to write and merge, down
-    to one chunk for the whole span (no merge). Within 8 % of the fastest of 64..4096 (two stages) on the
-    8B shape at 1200 of 2048 and 3000 of 4096 slots on an H200 (2026-12-04, `bench.attention_sweep`;
-    docs/engine.md, "Fused kernels"): 64 for a one-token step at batch 1 and 128 for 9 and 16 tokens (8 row programs),
-    256 for 33 tokens at batch 1 (24), 512 for batch 4 at 33 tokens and batch 16 at 1 to 16 (96-128),
-    1024 for batch 16 at 33 (384), the whole span from batch 64 (512)."""
+def attention_launch(T: int, row_programs: int, span: int) -> tuple[int, int]:
+    """(key slots per program, pipeline stages) of `attention`. Few programs along the rows (bs * KV heads
+    * row blocks) need short chunks to fill the GPU; many take long ones, which cut the partial results
+    to write and merge, down to one chunk for the whole span (no merge). Within 8 % of the fastest of
+    64..4096 slots and two or three stages on the 8B shape at 1200 of 2048 and 3000 of 4096 slots on an
+    H200 (2026-12-04, `bench.attention_sweep`; docs/engine.md, "Fused kernels"): 64 slots for a
+    one-token step at batch 1 and 128 for 9 and 16 tokens (8 row programs), 256 for 33 tokens at batch 1
+    (24), 512 for batch 4 at 33 tokens and batch 16 at one token (96-128), the whole span in three
+    stages for 9 and 16 tokens at batch 16 (128: 0.031 and 0.029 against 0.039 and 0.045 ms per layer in
+    chunks of 512), 1024 for batch 16 at 33 (384), the whole span from batch 64 (512)."""
     if row_programs >= 512:
-        return triton.next_power_of_2(span)
+        return triton.next_power_of_2(span), 2
     if row_programs >= 256:
-        return 1024
+        return 1024, 2
+    if row_programs >= 128 and 1 < T <= 16:
+        return triton.next_power_of_2(span), 3
     if row_programs >= 64:
-        return 512
+        return 512, 2
     if row_programs >= 24:
-        return 256
-    return 64 if T == 1 else 128
+        return 256, 2
+    return (64 if T == 1 else 128), 2
 
 
 def mask_bounds(mask: Tensor) -> Tensor:
@@ -935,7 +939,7 @@ def attention(
     max_rows: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> Tensor:
     """Masked attention of a few query tokens over the cache (a verify, the drafter's block).
 
@@ -947,7 +951,7 @@ def attention(
 
     SDPA runs a verify with one program per head streaming every key (most SMs idle), and turns the
     boolean mask into an additive one in every layer. Here the keys are split into chunks of `chunk`
-    slots (default: attention_chunk), one program per (sequence, KV head, block of max_rows rows of its
+    slots (default: attention_launch), one program per (sequence, KV head, block of max_rows rows of its
     query heads, chunk), and a second kernel merges the chunks' softmaxes (flash-decoding); with one
     chunk for the whole span the programs write the output themselves. The mask is read as is, and only
     past the prefix every query sees. max_rows, block_n (keys per step), num_warps and num_stages are
@@ -965,7 +969,8 @@ def attention(
     block_m = min(max_rows, max(16, triton.next_power_of_2(group * T)))
     block_d = max(16, triton.next_power_of_2(hd))
     row_blocks = triton.cdiv(group * T, block_m)
-    chunk = chunk or attention_chunk(bs, T, bs * kv_heads * row_blocks, span)
+    default_chunk, default_stages = attention_launch(T, bs * kv_heads * row_blocks, span)
+    chunk, num_stages = chunk or default_chunk, num_stages or default_stages
     splits = triton.cdiv(span, chunk)
     direct = splits == 1
     # the chunks' partial softmaxes (unused when one chunk holds every key)
