@@ -287,6 +287,39 @@ def check_row_logsumexp(device, dtype):
         torch.testing.assert_close(got, torch.logsumexp(x.float(), dim=-1), atol=2e-5, rtol=2e-6)
 
 
+def top_logprobs_reference(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Each row's k largest fp64 log_softmax values of its fp32 values, equal values lower index first."""
+    x = x.float()
+    ids = torch.sort(-x, dim=-1, stable=True).indices[..., :k]
+    return torch.log_softmax(x.double(), dim=-1).gather(-1, ids).float(), ids
+
+
+def check_row_top_logprobs(device, dtype):
+    """Each row's top-k log-probabilities and ids from logits of the draft's dtype: rows shorter than a
+    chunk and not a multiple of it, k from 1 to 64 (row_top_applies' largest; up to V), a row of many
+    exact ties (lower index first), a probability-one row (one logit 200) and a half -inf row."""
+    from ddtree.runtime.kernels import row_top_logprobs
+
+    g = torch.Generator().manual_seed(5)
+    for shape, ks in (
+        ((1, 2, 151936), (8, 64)),
+        ((3, 5000), (1, 5, 32, 64)),
+        ((4, 33), (1, 5, 32, 33)),
+        ((3, 7), (1, 5, 7)),
+    ):
+        x = (torch.randn(*shape, generator=g) * 4).to(dtype)
+        rows = x.view(-1, shape[-1])
+        rows[0, 3] = 200.0
+        rows[1] = rows[1].round()  # integers: a few dozen distinct values, ties at every length
+        rows[-1, : shape[-1] // 2] = float("-inf")
+        for k in ks:
+            lp, ids = row_top_logprobs(x.to(device), k)
+            want_lp, want_ids = top_logprobs_reference(x, k)
+            assert lp.shape == ids.shape == (*shape[:-1], k) and lp.dtype == torch.float32 and ids.dtype == torch.int64
+            assert torch.equal(ids.cpu(), want_ids), (shape, k)
+            torch.testing.assert_close(lp.cpu(), want_lp, atol=2e-5, rtol=2e-6)
+
+
 ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask broadcast over the batch)
     (2, 4, 2, 5, 16, 200, False, False),
     (1, 4, 1, 33, 12, 130, False, True),
@@ -510,6 +543,12 @@ def test_move_slots(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_logsumexp(dtype):
     check_row_logsumexp("cpu", dtype)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_top_logprobs(dtype):
+    check_row_top_logprobs("cpu", dtype)
 
 
 @interp
@@ -760,6 +799,18 @@ def test_kernels_compile_for_h200_without_a_gpu():
                 4,
             )
         compile_(K._row_logsumexp_kernel, dtype, dict(out_ptr="*fp32"), dict(N=151936, BLOCK=2048), 8)
+        kp = 32 if dtype == "bf16" else 64  # a usual budget's; row_top_applies' largest
+        compile_(
+            K._row_top_chunk_kernel, dtype, dict(keys_ptr="*i64", ml_ptr="*fp32"), dict(V=151936, CHUNK=4096, KP=kp), 8
+        )
+        if dtype == "fp32":
+            compile_(
+                K._row_top_merge_kernel,
+                dtype,
+                dict(keys_ptr="*i64", tok_ptr="*i64", K="i32"),
+                dict(CHUNKS=38, C_PAD=64, KP=kp),
+                8,
+            )
         compile_(
             K._move_slots_kernel,
             dtype,
@@ -845,6 +896,7 @@ def test_compiled_kernels_equal_the_reference(dtype):
         check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
     check_best_first_tree("cuda")
     check_row_logsumexp("cuda", dtype)
+    check_row_top_logprobs("cuda", dtype)
     check_move_slots("cuda", dtype)
     check_mask_bounds("cuda")
     check_attention(

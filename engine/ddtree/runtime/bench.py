@@ -336,9 +336,10 @@ def _topk_less_logsumexp(logits: Tensor, budget: int) -> tuple[Tensor, Tensor]:
 def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -> list[dict]:
     """The DDTree candidate step (each draft row's top-K log-probabilities) both ways, on bf16 draft
     logits of the Qwen3-8B vocabulary: the tensorised builder's fp32 log_softmax + top-k
-    (tree.top_candidates), and the Triton builder's top-k of the logits as they are less
-    kernels.row_logsumexp."""
+    (tree.top_candidates), and the Triton builder's two ways (kernels.row_top_applies picks): top-k of
+    the logits as they are less kernels.row_logsumexp, and kernels.row_top_logprobs."""
     from ..speculative.tree import top_candidates
+    from . import kernels
 
     rows = []
     for batch in (1, 16):
@@ -350,6 +351,7 @@ def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -
                     "budget": budget,
                     "log_softmax_topk_ms": round(_device_ms(partial(top_candidates, logits, budget)), 4),
                     "topk_logsumexp_ms": round(_device_ms(partial(_topk_less_logsumexp, logits, budget)), 4),
+                    "row_top_logprobs_ms": round(_device_ms(partial(kernels.row_top_logprobs, logits, budget)), 4),
                 }
             )
     return rows

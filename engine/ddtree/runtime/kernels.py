@@ -587,6 +587,93 @@ if triton is not None:
         total = tl.sum(s * tl.exp(m - top), axis=0)
         tl.store(out_ptr + row, top + tl.log(total))
 
+    # packed key of a position past the row's end: below every value's, -inf's too
+    _KEY_PAD = tl.constexpr(-(2**63))
+
+    @triton.constexpr_function
+    def _log2(n):
+        return n.bit_length() - 1
+
+    @triton.jit
+    def _swap_pairs(h, flip, i: tl.constexpr, DIMS: tl.constexpr):
+        # compare-and-swap of the pairs along the i-th innermost axis of the hypercube h, ascending where
+        # flip ^ (right of the pair) is 0: tl.topk's, but the partner is the pair's sum less itself where
+        # tl.topk reduces with xor, a custom combine that the interpreter runs element by element in Python
+        # (minutes for two rows of 151936); compiled for sm_90, both give the same PTX
+        ax: tl.constexpr = DIMS - 1 - i
+        y = tl.sum(h, axis=ax, keep_dims=True) - h
+        right = tl.reshape(tl.arange(0, 2), [1] * ax + [2] + [1] * i)
+        return tl.where((h > y) != (flip ^ right), y, h)
+
+    @triton.jit
+    def _bitonic_merge(h, stage: tl.constexpr, order: tl.constexpr, DIMS: tl.constexpr):
+        # runs of 2**stage merged descending (order 1) or alternately ascending and descending (order 2)
+        if order == 2:
+            flip = tl.reshape(tl.arange(0, 2), [1] * (DIMS - 1 - stage) + [2] + [1] * stage)
+        else:
+            flip = order
+        for i in tl.static_range(stage):
+            h = _swap_pairs(h, flip, stage - 1 - i, DIMS)
+        return h
+
+    @triton.jit
+    def _top(x, K: tl.constexpr):
+        # tl.topk(x, K) (bitonic, sorted descending) of a 1-D x of a power of two entries, K a power of two
+        LOG_N: tl.constexpr = _log2(x.shape[0])
+        LOG_K: tl.constexpr = _log2(K)
+        h = tl.reshape(x, [2] * LOG_N)
+        for i in tl.static_range(1, LOG_K + 1):
+            h = _bitonic_merge(h, i, 2 if i < LOG_N else 1, LOG_N)
+        for i in tl.static_range(LOG_K + 1, LOG_N + 1):
+            h = tl.max(h, axis=LOG_N - i)  # each run of K against its neighbour's: the larger K stay
+            h = _bitonic_merge(h, LOG_K, 2 if i < LOG_N else 1, LOG_N - i + LOG_K)
+        return tl.reshape(h, [K])
+
+    @triton.jit
+    def _row_top_chunk_kernel(x_ptr, keys_ptr, ml_ptr, x_s, V: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr):
+        # program (row, chunk): the chunk's max, sum of exp(x - max) and top KP entries, as int64 keys that
+        # order like (value, -index): the value's fp32 bits made order-preserving as a signed int above,
+        # 2**32 - 1 - index below, so one integer top-k puts equal values lower index first. V, the
+        # vocabulary, is a model's constant
+        row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        out = row * tl.num_programs(1) + chunk
+        n = chunk * CHUNK + tl.arange(0, CHUNK)
+        live = n < V
+        x = tl.load(x_ptr + row * x_s + n, mask=live, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 ties +0.0
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        key = tl.where(live, (ordered << 32) | (4294967295 - n.to(tl.int64)), _KEY_PAD)
+        tl.store(keys_ptr + out * KP + tl.arange(0, KP), _top(key, KP))
+        tl.store(ml_ptr + 2 * out, m)
+        tl.store(ml_ptr + 2 * out + 1, s)
+
+    @triton.jit
+    def _row_top_merge_kernel(
+        keys_ptr, ml_ptr, lp_ptr, tok_ptr, K, CHUNKS: tl.constexpr, C_PAD: tl.constexpr, KP: tl.constexpr
+    ):
+        # program (row): the top KP of the chunks' candidates, the chunks' (max, sum) combined into the
+        # row's logsumexp, and the first K keys unpacked to (value - logsumexp, index)
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, C_PAD * KP)
+        live = j < CHUNKS * KP
+        top = tl.load(keys_ptr + row * CHUNKS * KP + j, mask=live, other=0)
+        if CHUNKS > 1:  # one chunk's are sorted already
+            top = _top(tl.where(live, top, _KEY_PAD), KP)
+        c = tl.arange(0, C_PAD)
+        m = tl.load(ml_ptr + 2 * (row * CHUNKS + c), mask=c < CHUNKS, other=float("-inf"))
+        s = tl.load(ml_ptr + 2 * (row * CHUNKS + c) + 1, mask=c < CHUNKS, other=0.0)
+        top_m = tl.max(m, axis=0)
+        top_m = tl.where(top_m == float("-inf"), 0.0, top_m)
+        lse = top_m + tl.log(tl.sum(s * tl.exp(m - top_m), axis=0))
+        ordered = (top >> 32).to(tl.int32)
+        value = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        i = tl.arange(0, KP)
+        tl.store(lp_ptr + row * K + i, value - lse, mask=i < K)
+        tl.store(tok_ptr + row * K + i, 4294967295 - (top & 4294967295), mask=i < K)
+
 
 def move_slots(storage: Tensor, src: Tensor, dst: Tensor, block_d: int = 128) -> None:
     """A model's `compact` in one launch: in every plane (layer, k/v) and head of storage [planes, heads,
@@ -625,6 +712,43 @@ def row_logsumexp(x: Tensor, block: int = 2048) -> Tensor:
     if rows.shape[0]:
         _row_logsumexp_kernel[(rows.shape[0],)](rows, out, rows.stride(0), N=rows.shape[1], BLOCK=block, num_warps=8)
     return out.view(x.shape[:-1])
+
+
+def row_top_applies(rows: int, k: int) -> bool:
+    """Whether row_top_logprobs beats torch's top-k + row_logsumexp at `rows` rows of 151936-wide logits
+    and k candidates each. On an H200 (8B shape, the tree phase of ddtree rounds in CUDA graphs, 2026-12-04,
+    commit 750afbc): 8 rows of k 8, 0.098 -> 0.031 ms; 15 of k 32, 0.139 -> 0.099; 128 of k 8, 0.282 ->
+    0.250; but 240 of k 32, 0.505 -> 0.78, where the chunks' bitonic sorts are the work. A k past 64
+    would also compile a merge of up to 64 x 256 keys."""
+    return k <= 64 and rows * k <= 1024
+
+
+def row_top_logprobs(x: Tensor, k: int, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+    """The k largest log-softmax values of each row of x [..., V] (any float dtype) and their indices,
+    ([..., k] float32 descending, [..., k] int64), equal values lower index first: each value in fp32
+    less the row's fp32 logsumexp. Two launches, one read of x: programs of `chunk` entries each keep
+    their top k (a bitonic sort of the chunk) and (max, sum of exp), and one program per row merges
+    them. Faster than torch's top-k (a multi-block radix select) and row_logsumexp for few rows of a
+    small k, slower for many: see row_top_applies."""
+    vocab = x.shape[-1]
+    assert 1 <= k <= vocab and x.stride(-1) == 1
+    rows = x.reshape(-1, vocab)
+    kp = max(2, triton.next_power_of_2(k))  # a hypercube of at least one axis
+    chunk = max(kp, min(chunk, triton.next_power_of_2(vocab)))
+    chunks = triton.cdiv(vocab, chunk)
+    lp = torch.empty(rows.shape[0], k, dtype=torch.float32, device=x.device)
+    tok = torch.empty(rows.shape[0], k, dtype=torch.int64, device=x.device)
+    if rows.shape[0]:
+        keys = torch.empty(rows.shape[0], chunks, kp, dtype=torch.int64, device=x.device)
+        ml = torch.empty(rows.shape[0], chunks, 2, dtype=torch.float32, device=x.device)
+        _row_top_chunk_kernel[(rows.shape[0], chunks)](
+            rows, keys, ml, rows.stride(0), V=vocab, CHUNK=chunk, KP=kp, num_warps=min(8, max(1, chunk // 256))
+        )
+        c_pad = triton.next_power_of_2(chunks)
+        _row_top_merge_kernel[(rows.shape[0],)](
+            keys, ml, lp, tok, k, CHUNKS=chunks, C_PAD=c_pad, KP=kp, num_warps=min(8, max(1, c_pad * kp // 256))
+        )
+    return lp.view(*x.shape[:-1], k), tok.view(*x.shape[:-1], k)
 
 
 def qk_norm_rope_kv(
