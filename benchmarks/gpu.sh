@@ -252,7 +252,7 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
       done ;;
     gpu-tests)
       log "gpu-tests"
-      $PY -m pytest -q -ra -m gpu tests/test_kernels.py tests/test_graphs.py tests/test_engine.py \
+      $PY -m pytest -q -ra -m gpu tests/test_kernels.py tests/test_graphs.py tests/test_round_profile.py \
         tests/test_moe_kernels.py tests/test_qwen3_moe.py tests/test_deepseek_v3.py tests/test_train.py \
         tests/test_quant_kernels.py tests/test_quantized_models.py tests/test_memory.py \
         2>&1 | tee "$OUT_DIR/gpu-tests.log" ;;

@@ -10,7 +10,14 @@ from ddtree.runtime.smoke import run_smoke
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from tiny_models import random_target
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+
+def gpu(test):
+    """CUDA graphs: marked gpu (benchmarks/gpu.sh runs `-m gpu`) and skipped without a CUDA device."""
+    return pytest.mark.gpu(
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")(test)
+    )
+
+
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [5, 4]]
 
 
