@@ -37,7 +37,7 @@ def test_split_phases_names_each_phase_after_the_marker_that_closes_it():
     draft, verify, commit = (out["phases"][p] for p in ("draft", "verify", "commit"))
     assert draft["kernels"] == 2 and draft["kernel_ms"] == pytest.approx(0.034)
     assert draft["gap_ms"] == pytest.approx(0.006)
-    assert draft["heaviest"][0] == ["gemm", 0.03]
+    assert draft["heaviest"] == [["gemm", 0.03, 1.0], ["norm", 0.004, 1.0]]  # every kernel, heaviest first
     assert verify["kernels"] == 1 and verify["wall_ms"] == pytest.approx(0.104)
     assert commit == {"kernels": 0, "kernel_ms": 0.0, "gap_ms": 0.002, "wall_ms": 0.002, "heaviest": []}
     assert out["marked_round_ms"] == pytest.approx(0.040 + 0.001 + 0.104 + 0.001 + 0.002)  # the inner markers count
@@ -97,3 +97,19 @@ def test_profile_splits_a_graph_replay_into_its_phases(method, budget):
     assert torch.equal(engine.lengths, lengths), "replays rewind the rows"
     # the graphs step replays are unchanged by the profile: the rows go on as before
     assert all(len(t) >= 1 for t in engine.step(2))
+
+
+def test_the_phase_table_names_each_phase_and_its_heaviest_kernel():
+    from ddtree.runtime.bench import phase_markdown
+
+    kernels = {"draft": [("gemm", 30.0), ("norm", 4.0), ("norm", 4.0)], "verify": [("gemm", 100.0)], "commit": []}
+    split = split_phases(marked_replay(0, kernels), ["start", "draft", "verify", "commit"], replays=1)
+    assert split["phases"]["draft"]["heaviest"] == [["gemm", 0.03, 1.0], ["norm", 0.008, 2.0]]
+    for phase in split["phases"].values():
+        phase["floor_ms"] = 0.01
+    row = {"method": "ddtree", "budget": 8, "batch": 1, "host_ms_per_round": 0.1}
+    row["graph_phases"] = {**split, "replay_ms": 0.15, "floor_ms": 0.03}
+    table = phase_markdown([row])
+    assert "| ddtree | 8 | 1 | draft | 3.0 | 0.038 | 0.008 | 0.01 | `gemm` 0.03 |" in table
+    assert "| ddtree | 8 | 1 | commit | 0.0 | 0.0 | 0.002 | 0.01 | `` 0 |" in table
+    assert "| ddtree | 8 | 1 | **round** | | 0.15 (replay) | 0.1 (host) | 0.03 | |" in table

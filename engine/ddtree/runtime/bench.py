@@ -716,7 +716,7 @@ def phase_markdown(rows: list[dict]) -> str:
     for r in profiled:
         p = r["graph_phases"]
         for name, ph in p["phases"].items():
-            kernel, ms = ph["heaviest"][0] if ph["heaviest"] else ("", 0)
+            kernel, ms = ph["heaviest"][0][:2] if ph["heaviest"] else ("", 0)
             lines.append(
                 f"| {r['method']} | {r['budget']} | {r['batch']} | {name} | {ph['kernels']} | {ph['kernel_ms']} | "
                 f"{ph['gap_ms']} | {ph['floor_ms']} | `{kernel[:48]}` {ms} |"

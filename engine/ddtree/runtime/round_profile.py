@@ -43,7 +43,9 @@ def split_phases(events: list[tuple[str, float, float]], marks: list[str], repla
             f"profiler did not see the graph's kernels (found {len(events)} device events)"
         )
     phases: dict[str, dict] = {name: {"kernels": 0, "kernel_ms": 0.0, "wall_ms": 0.0} for name in marks[1:]}
-    top: dict[str, dict[str, float]] = {name: defaultdict(float) for name in marks[1:]}
+    # per phase, each kernel name's total time and launches: the whole phase, so that two rounds' phases
+    # can be compared kernel by kernel (bench.json), not only by their heaviest kernels
+    by_kernel: dict[str, dict[str, list[float]]] = {name: defaultdict(lambda: [0.0, 0]) for name in marks[1:]}
     round_ms = 0.0
     for r in range(replays):
         at = markers[r * len(marks) : (r + 1) * len(marks)]
@@ -55,17 +57,20 @@ def split_phases(events: list[tuple[str, float, float]], marks: list[str], repla
             stats["wall_ms"] += (events[at[j]][1] - events[at[j - 1]][2]) / 1000
             for kernel, start, end in inside:
                 stats["kernel_ms"] += (end - start) / 1000
-                top[name][kernel] += (end - start) / 1000
+                entry = by_kernel[name][kernel[:90]]
+                entry[0] += (end - start) / 1000
+                entry[1] += 1
     out = {}
     for name, stats in phases.items():
         kernel_ms, wall_ms = stats["kernel_ms"] / replays, stats["wall_ms"] / replays
-        heaviest = sorted(top[name].items(), key=lambda kv: -kv[1])[:4]
+        heaviest = sorted(by_kernel[name].items(), key=lambda kv: -kv[1][0])
         out[name] = {
             "kernels": round(stats["kernels"] / replays, 1),
             "kernel_ms": round(kernel_ms, 4),
             "gap_ms": round(wall_ms - kernel_ms, 4),
             "wall_ms": round(wall_ms, 4),
-            "heaviest": [[kernel[:90], round(ms / replays, 4)] for kernel, ms in heaviest],
+            # every kernel name, heaviest first: [name (90 characters), ms, launches] per round
+            "heaviest": [[kernel, round(ms / replays, 4), round(n / replays, 1)] for kernel, (ms, n) in heaviest],
         }
     return {"phases": out, "marked_round_ms": round(round_ms / replays, 4)}
 
