@@ -320,6 +320,41 @@ def check_row_top_logprobs(device, dtype):
             torch.testing.assert_close(lp.cpu(), want_lp, atol=2e-5, rtol=2e-6)
 
 
+def check_walk(device):
+    """The one-launch walk equals verify.walk field for field: DDTree trees with padding (fewer prefixes
+    than the budget), one of them cut by Tree.prefix (strided views), chains (dflash), the root alone
+    (ar), decisions that mostly follow the tree, and a max_depth past the tree's depth."""
+    from ddtree.runtime.kernels import walk as walk_kernel
+    from ddtree.speculative.tree import build_chain, build_ddtree, root_only
+    from ddtree.speculative.verify import walk
+
+    g = torch.Generator().manual_seed(11)
+    roots = torch.tensor([3, 1, 4, 1, 5])
+    trees = []
+    for vocab, depth, budget in ((3, 6, 4), (4, 6, 40), (50, 15, 32), (7, 4, 130)):
+        tree = build_ddtree(roots, torch.randn(5, depth, vocab, generator=g) * 3, budget)
+        trees += [(tree, depth + 2), (tree.prefix(budget // 2 + 1), depth)]
+    trees += [
+        (build_chain(roots, torch.randn(5, 15, 9, generator=g)), 15),
+        (root_only(roots), 0),
+        (root_only(roots), 3),
+    ]
+    for case, (tree, max_depth) in enumerate(trees):
+        vocab = int(tree.tokens.max()) + 2
+        decisions = torch.randint(0, vocab, tree.tokens.shape, generator=g)
+        follow = torch.rand(tree.tokens.shape, generator=g) < 0.8
+        for r in range(tree.tokens.shape[0]):
+            for i in range(tree.size):
+                kids = [j for j in range(tree.size) if tree.valid[r, j] and tree.parents[r, j] == i]
+                if kids and follow[r, i]:
+                    decisions[r, i] = tree.tokens[r, kids[-1]]
+        want = walk(tree, decisions, max_depth)
+        t = [x.to(device) for x in (tree.tokens, tree.parents, tree.depth, tree.valid, tree.visible, decisions)]
+        got = walk_kernel(*t, max_depth)
+        for field, value in zip(("path", "accepted", "bonus", "emitted"), got):
+            assert torch.equal(value.cpu(), getattr(want, field)), (case, field)
+
+
 ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask broadcast over the batch)
     (2, 4, 2, 5, 16, 200, False, False),
     (1, 4, 1, 33, 12, 130, False, True),
@@ -549,6 +584,11 @@ def test_row_logsumexp(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_top_logprobs(dtype):
     check_row_top_logprobs("cpu", dtype)
+
+
+@interp
+def test_walk():
+    check_walk("cpu")
 
 
 @interp
@@ -799,6 +839,21 @@ def test_kernels_compile_for_h200_without_a_gpu():
                 4,
             )
         compile_(K._row_logsumexp_kernel, dtype, dict(out_ptr="*fp32"), dict(N=151936, BLOCK=2048), 8)
+        if dtype == "fp32":
+            pointers = ("tok", "par", "dep", "dec", "path", "accepted", "bonus", "emitted")
+            compile_(
+                K._walk_kernel,
+                dtype,
+                {
+                    **{f"{p}_ptr": "*i64" for p in pointers},
+                    "valid_ptr": "*i8",
+                    "vis_ptr": "*i8",
+                    "N": "i32",
+                    "D1": "i32",
+                },
+                dict(N_PAD=64, D_PAD=16),
+                1,
+            )
         kp = 32 if dtype == "bf16" else 64  # a usual budget's; row_top_applies' largest
         compile_(
             K._row_top_chunk_kernel, dtype, dict(keys_ptr="*i64", ml_ptr="*fp32"), dict(V=151936, CHUNK=4096, KP=kp), 8
@@ -897,6 +952,7 @@ def test_compiled_kernels_equal_the_reference(dtype):
     check_best_first_tree("cuda")
     check_row_logsumexp("cuda", dtype)
     check_row_top_logprobs("cuda", dtype)
+    check_walk("cuda")
     check_move_slots("cuda", dtype)
     check_mask_bounds("cuda")
     check_attention(

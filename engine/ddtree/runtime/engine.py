@@ -35,9 +35,9 @@ from ..speculative.compat import method_problem
 from ..speculative.dflash2 import DFlash2Drafter
 from ..speculative.drafter import DFlashDrafter, DrafterMismatchError
 from ..speculative.tree import Tree, build_chain, chain, expected_accepted, root_only
-from ..speculative.verify import decide, processed_probs, tree_mask, walk
+from ..speculative.verify import decide, processed_probs, tree_mask
 from .budget import BudgetController
-from .fused import cache_compactor, tree_builder, use_backend, use_drafter_backend
+from .fused import cache_compactor, tree_builder, tree_walker, use_backend, use_drafter_backend
 from .graphs import default_span_buckets
 from .pages import PAGE_SIZE, OutOfPages, PagePool
 from .plan import (
@@ -159,6 +159,7 @@ class Engine:
         if target.backend == "reference":  # a target straight from its family: fused GEMMs at least
             use_backend(target, "torch")
         self.build_ddtree = tree_builder(target.backend)  # the Triton heap or the tensorised build
+        self.walk = tree_walker(target.backend)  # the accepted path: the tensorised walk or one Triton launch
         self.compact = cache_compactor(target)  # the accepted path's cache slots to the committed text
         # the caches' pages (runtime/pages.py): by default every row can hold max_seq_len tokens at once
         row_pages = -(-self.max_slots // PAGE_SIZE)
@@ -694,7 +695,7 @@ class Engine:
         self.root_max_logit[:n].copy_(logits[:, 0].amax(-1))
         decisions = decide(logits, self.temperature[:n], self.top_p[:n], self.generator, sampling)
         self._mark("verify")
-        w = walk(tree, decisions, self.max_depth)
+        w = self.walk(tree, decisions, self.max_depth)
         self._mark("walk")
         if self.path_logits is not None:
             path = w.path[..., None].expand(-1, -1, logits.shape[-1])

@@ -30,6 +30,7 @@ from ..models.moe import SparseMoE
 from ..models.quant import Fp8BlockLinear, Int4Linear, dequantize_fp8_block, dequantize_int4
 from ..speculative.drafter import DFlashDrafter, DrafterAttention, DrafterLayer
 from ..speculative.tree import Tree, build_ddtree
+from ..speculative.verify import Walk, walk
 from . import kernels
 from .moe_kernels import moe_experts
 from .quant_kernels import fp8_block_linear, int4_linear, moe_experts_int4
@@ -563,6 +564,18 @@ def cache_compactor(target: Transformer) -> Callable[[Tensor, Tensor], None]:
     return lambda src, dst: kernels.move_slots(
         target.slot_storage(), target.physical_slots(src), target.physical_slots(dst)
     )
+
+
+def tree_walker(backend: str) -> Callable[[Tree, Tensor, int], Walk]:
+    """verify.walk, or under the Triton backend its one-launch kernel (kernels.walk)."""
+    if backend != "triton":
+        return walk
+
+    def walk_triton(tree: Tree, decisions: Tensor, max_depth: int) -> Walk:
+        fields = (tree.tokens, tree.parents, tree.depth, tree.valid, tree.visible)
+        return Walk(*kernels.walk(*fields, decisions, max_depth))
+
+    return walk_triton
 
 
 def tree_builder(backend: str):

@@ -9,8 +9,9 @@ replace them:
   add_rms_norm     residual add + RMSNorm of the sum
 
 and, for a batch-1 decode step, `gemv` replaces cuBLAS's split-K GEMMs for one row (with silu_mul folded
-into the down projection). `attention` (with `mask_bounds`, once per forward) and `best_first_tree`
-replace SDPA over the tree mask and the DDTree tree's many small kernels. For 2-64 rows (a verify
+into the down projection). `attention` (with `mask_bounds`, once per forward), `best_first_tree`
+(with `row_top_logprobs` for few rows), `walk` and `move_slots` replace SDPA over the tree mask and the
+many small kernels of the DDTree tree, the walk and the commit. For 2-64 rows (a verify
 forward), `skinny_linear` runs the o projection (as K-split partial products that add_rms_norm sums) and
 the gate/up projection (with silu_mul folded in) closer to the HBM bound than cuBLAS does.
 
@@ -674,6 +675,66 @@ if triton is not None:
         tl.store(lp_ptr + row * K + i, value - lse, mask=i < K)
         tl.store(tok_ptr + row * K + i, 4294967295 - (top & 4294967295), mask=i < K)
 
+    @triton.jit
+    def _walk_kernel(
+        tok_ptr,
+        par_ptr,
+        dep_ptr,
+        valid_ptr,
+        vis_ptr,
+        dec_ptr,
+        path_ptr,
+        accepted_ptr,
+        bonus_ptr,
+        emitted_ptr,
+        N,
+        D1,
+        tok_s,
+        par_s,
+        dep_s,
+        valid_s,
+        vis_sb,
+        vis_si,
+        dec_s,
+        path_s,
+        emitted_s,
+        N_PAD: tl.constexpr,
+        D_PAD: tl.constexpr,
+    ):
+        # program (row): verify.walk over the row's tree. A node agrees when its token is the target's
+        # decision at its parent; the deepest node whose ancestors all agree ends the path
+        b = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, N_PAD)
+        live = j < N
+        tok = tl.load(tok_ptr + b * tok_s + j, mask=live, other=-1)
+        par = tl.maximum(tl.load(par_ptr + b * par_s + j, mask=live, other=0), 0)
+        dep = tl.load(dep_ptr + b * dep_s + j, mask=live, other=0)
+        valid = tl.load(valid_ptr + b * valid_s + j, mask=live, other=0) != 0
+        parent_decision = tl.load(dec_ptr + b * dec_s + par, mask=live, other=-1)
+        agree = ((tok == parent_decision) & valid) | (j == 0)
+        vis = tl.load(
+            vis_ptr + b * vis_sb + j[:, None] * vis_si + j[None, :], mask=live[:, None] & live[None, :], other=0
+        )
+        refused = tl.sum(((vis != 0) & ~agree[None, :]).to(tl.int32), axis=1)
+        cur = tl.argmax(tl.where(live & (refused == 0), dep, -1), axis=0)  # the deepest accepted node
+        accepted = tl.sum(tl.where(j == cur, dep, 0), axis=0) + 1
+        on_path = tl.load(vis_ptr + b * vis_sb + cur * vis_si + j, mask=live, other=0) != 0  # cur's ancestors
+        d = tl.arange(0, D_PAD)
+        # path[d]: the path's node at depth d, then cur repeated; emitted[d]: the token of path[d + 1]
+        # (path[D] at the last step), the bonus (the target's decision at cur) at d = accepted - 1
+        node = tl.sum(tl.where(on_path[None, :] & (dep[None, :] == d[:, None]), j[None, :], 0), axis=1)
+        path = tl.where(d < accepted, node, cur)
+        d_next = tl.minimum(d + 1, D1 - 1)
+        node_next = tl.sum(tl.where(on_path[None, :] & (dep[None, :] == d_next[:, None]), j[None, :], 0), axis=1)
+        path_next = tl.where(d_next < accepted, node_next, cur)
+        next_tok = tl.sum(tl.where(j[None, :] == path_next[:, None], tok[None, :], 0), axis=1)
+        bonus = tl.load(dec_ptr + b * dec_s + cur)
+        emitted = tl.where(d == accepted - 1, bonus, next_tok)
+        tl.store(path_ptr + b * path_s + d, path, mask=d < D1)
+        tl.store(emitted_ptr + b * emitted_s + d, emitted, mask=d < D1)
+        tl.store(accepted_ptr + b, accepted)
+        tl.store(bonus_ptr + b, bonus)
+
 
 def move_slots(storage: Tensor, src: Tensor, dst: Tensor, block_d: int = 128) -> None:
     """A model's `compact` in one launch: in every plane (layer, k/v) and head of storage [planes, heads,
@@ -701,6 +762,51 @@ def move_slots(storage: Tensor, src: Tensor, dst: Tensor, block_d: int = 128) ->
         BLOCK_D=min(block_d, triton.next_power_of_2(width)),
         num_warps=4,
     )
+
+
+def walk(
+    tokens: Tensor, parents: Tensor, depth: Tensor, valid: Tensor, visible: Tensor, decisions: Tensor, max_depth: int
+):
+    """verify.walk in one launch, one program per row: (path [bs, D + 1], accepted [bs], bonus [bs],
+    emitted [bs, D + 1]) for a tree (Tree's fields) and the target's decisions [bs, N]. Where the
+    tensorised walk took about 30 small kernels per round."""
+    bs, n = tokens.shape
+    d1 = max_depth + 1
+    assert all(t.stride(-1) == 1 for t in (tokens, parents, depth, valid, visible, decisions))
+    path = torch.empty(bs, d1, dtype=torch.long, device=tokens.device)
+    emitted = torch.empty_like(path)
+    accepted = torch.empty(bs, dtype=torch.long, device=tokens.device)
+    bonus = torch.empty_like(accepted)
+    if bs:
+        valid8, visible8 = valid.view(torch.int8), visible.view(torch.int8)
+        n_pad = max(2, triton.next_power_of_2(n))
+        _walk_kernel[(bs,)](
+            tokens,
+            parents,
+            depth,
+            valid8,
+            visible8,
+            decisions,
+            path,
+            accepted,
+            bonus,
+            emitted,
+            n,
+            d1,
+            tokens.stride(0),
+            parents.stride(0),
+            depth.stride(0),
+            valid8.stride(0),
+            visible8.stride(0),
+            visible8.stride(1),
+            decisions.stride(0),
+            path.stride(0),
+            emitted.stride(0),
+            N_PAD=n_pad,
+            D_PAD=max(2, triton.next_power_of_2(d1)),
+            num_warps=1 if n_pad <= 64 else 4,
+        )
+    return path, accepted, bonus, emitted
 
 
 def row_logsumexp(x: Tensor, block: int = 2048) -> Tensor:
