@@ -67,8 +67,9 @@ def load(results: Path) -> dict:
 
 
 def timed_rows(bench: dict) -> list[dict]:
-    """Rows with a time, CUDA-graph rows only when there are any (as `bench` recommends from)."""
-    rows = [r for r in bench.get("rows", []) if "tokens_per_second" in r]
+    """Rows with a time, CUDA-graph rows only when there are any (as `bench` recommends from); the fixed
+    budgets' rows, not those of a --policy (their budget differs by batch size)."""
+    rows = [r for r in bench.get("rows", []) if "tokens_per_second" in r and "policy" not in r]
     if any(r.get("graphs") for r in rows):
         rows = [r for r in rows if r.get("graphs")]
     variants = {r.get("kernels") for r in rows}

@@ -230,6 +230,33 @@ def test_bench_on_cpu_uses_every_prompt_and_recommends_a_budget_per_batch(tmp_pa
     assert ("`ar` is faster than every measured `ddtree` budget" in md) == bool(slower)
 
 
+def test_bench_runs_a_budget_per_batch_size_beside_the_fixed_budgets(tmp_path):
+    r = run_cli(
+        "bench",
+        *("--model", "random:tiny", "--drafter", "random:1", "--device", "cpu", "--graphs", "off"),
+        *("--methods", "ddtree", "--budgets", "4", "--policy", "1:6,2:2", "--batch-sizes", "1,2", "--rounds", "2"),
+        *("--out", str(tmp_path)),
+    )
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    rows = {(x["batch"], x["budget"], x.get("policy")) for x in records if "method" in x}
+    # each batch size runs the policy's budget for it
+    assert rows == {(1, 4, None), (2, 4, None), (1, 6, "1:6,2:2"), (2, 2, "1:6,2:2")}
+    best = records[-1]["recommended_budget"]
+    assert all(e["budget"] == 4 for e in best["per_batch"].values()), "the recommendation is among the fixed budgets"
+    assert "| ddtree | torch | 2 (`1:6,2:2`) | 2 | False |" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_refuses_a_policy_that_is_not_one_and_a_policy_without_ddtree():
+    bad = run_cli("bench", "--model", "random:tiny", "--device", "cpu", "--policy", "8")
+    assert bad.returncode == 2 and "--policy takes BATCH:BUDGET pairs like 1:32,16:8, got '8'" in bad.stderr
+    no_ddtree = run_cli(
+        "bench", "--model", "random:tiny", "--device", "cpu", "--graphs", "off", "--methods", "ar", "--policy", "1:8"
+    )
+    assert no_ddtree.returncode == 2 and "--policy runs ddtree: add ddtree to --methods" in no_ddtree.stderr
+    assert len(no_ddtree.stderr.strip().splitlines()) == 1
+
+
 def test_python_m_ddtree_is_the_console_script():
     from ddtree.cli import build_parser
 

@@ -47,6 +47,14 @@ def parse_budget(text: str) -> int | dict[int, int] | str:
     return policy
 
 
+def parse_policy(text: str) -> dict[int, int]:
+    """--policy: BATCH:BUDGET pairs (a budget per batch size, as --budget takes them)."""
+    policy = parse_budget(text)
+    if not isinstance(policy, dict):
+        raise argparse.ArgumentTypeError(f"--policy takes BATCH:BUDGET pairs like 1:32,16:8, got '{text}'")
+    return policy
+
+
 # element-wise path of the target: "auto" = the Triton kernels on CUDA when triton is importable
 DEFAULT_KERNELS = KernelConfig.backend  # Triton on CUDA when importable (measured faster and lossless in fp32)
 
@@ -173,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafter", default=UNSET, help="drafter id, or random:LAYERS for a random-init drafter")
     b.add_argument("--methods", default="ar,dflash,ddtree")
     b.add_argument("--budgets", default="8,16,32,64,128")
+    b.add_argument(
+        "--policy",
+        action="append",
+        type=parse_policy,
+        default=[],
+        help="also run ddtree under this budget per batch size (BATCH:BUDGET pairs, e.g. the --budget bench "
+        "recommends); repeatable",
+    )
     b.add_argument("--batch-sizes", default="1,4,16,64")
     b.add_argument("--graphs", choices=["on", "off", "both"], default="both")
     b.add_argument("--ctx", type=int, default=1024, help="prompt length for random models")

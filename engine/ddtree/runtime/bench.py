@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ class BenchPlan:
     capture_all: bool = False
     hf_baseline: bool = False
     out: str | None = None
+    policies: list[dict[int, int]] = field(default_factory=list)  # ddtree under a budget per batch size
 
 
 def copy_bandwidth(device) -> float:
@@ -520,7 +521,10 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
     block = drafter.block_size if drafter is not None and method != "ar" else 1
     max_seq = max(len(p) for p in prompts) + (rounds + 16) * block + 64
     engine = make_engine(target, drafter, SpeculationConfig(method, budget), max_batch_size=batch, max_seq_len=max_seq)
-    row = {"method": method, "budget": engine.budget, "batch": batch, "graphs": graphs, "tree_size": engine.tree_size}
+    plan = engine.plan(batch)
+    row = {"method": method, "budget": plan.budget, "batch": batch, "graphs": graphs, "tree_size": plan.tree_size}
+    if isinstance(budget, dict):  # a budget per batch size: this batch size's budget, and the policy
+        row["policy"] = policy_text(budget)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -649,10 +653,16 @@ def capture_all(target, drafter, ctx: int, budget: int = 32) -> dict:
     return out
 
 
+def policy_text(policy: dict[int, int]) -> str:
+    """A budget per batch size as --budget and --policy take it: 1:32,16:8."""
+    return ",".join(f"{n}:{b}" for n, b in sorted(policy.items()))
+
+
 def recommend_budget(rows: list[dict]) -> dict | None:
     """The measured fastest `ddtree` budget per batch size, as a `--budget` value for serve/generate,
-    with how it compares to `dflash` and `ar` at that batch size (graph rows when there are any)."""
-    timed = [r for r in rows if "tokens_per_second" in r]
+    with how it compares to `dflash` and `ar` at that batch size (graph rows when there are any; the
+    fixed budgets' rows, not those of a --policy)."""
+    timed = [r for r in rows if "tokens_per_second" in r and "policy" not in r]
     if any(r.get("graphs") for r in timed):
         timed = [r for r in timed if r.get("graphs")]
     per_batch = {}
@@ -696,6 +706,8 @@ def markdown(rows: list[dict], title: str) -> str:
             v = r.get(c, "")
             if isinstance(v, dict):
                 v = " / ".join(f"{k} {x}" for k, x in v.items())
+            if c == "budget" and "policy" in r:
+                v = f"{v} (`{r['policy']}`)"
             cells.append(str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -715,14 +727,15 @@ def phase_markdown(rows: list[dict]) -> str:
     ]
     for r in profiled:
         p = r["graph_phases"]
+        budget = f"{r['budget']} (`{r['policy']}`)" if "policy" in r else r["budget"]
         for name, ph in p["phases"].items():
             kernel, ms = ph["heaviest"][0][:2] if ph["heaviest"] else ("", 0)
             lines.append(
-                f"| {r['method']} | {r['budget']} | {r['batch']} | {name} | {ph['kernels']} | {ph['kernel_ms']} | "
+                f"| {r['method']} | {budget} | {r['batch']} | {name} | {ph['kernels']} | {ph['kernel_ms']} | "
                 f"{ph['gap_ms']} | {ph['floor_ms']} | `{kernel[:48]}` {ms} |"
             )
         lines.append(
-            f"| {r['method']} | {r['budget']} | {r['batch']} | **round** | | {p['replay_ms']} (replay) | "
+            f"| {r['method']} | {budget} | {r['batch']} | **round** | | {p['replay_ms']} (replay) | "
             f"{r.get('host_ms_per_round', '')} (host) | {p['floor_ms']} | |"
         )
     return "\n".join(lines) + "\n"
@@ -765,7 +778,7 @@ def run_bench(plan: BenchPlan, target, drafter, prompts, label: str, report: boo
     methods = []
     for m in plan.methods:
         if m == "ddtree":
-            methods += [("ddtree", b) for b in plan.budgets]
+            methods += [("ddtree", b) for b in plan.budgets] + [("ddtree", policy) for policy in plan.policies]
         else:
             methods.append((m, None))
     for batch in plan.batch_sizes:

@@ -164,9 +164,12 @@ def cmd_bench(args) -> int:
     unknown = set(methods) - {"ar", "dflash", "ddtree"}
     if unknown:
         raise UsageError(f"unknown methods {sorted(unknown)} in --methods")
+    if args.policy and "ddtree" not in methods:
+        raise UsageError("--policy runs ddtree: add ddtree to --methods")
     plan = BenchPlan(
         methods=methods,
         budgets=parse_int_list(args.budgets, "--budgets"),
+        policies=args.policy,
         batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
         graph_modes={"on": [True], "off": [False], "both": [False, True]}[args.graphs],
         kernel_variants=variants,
