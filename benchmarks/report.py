@@ -57,6 +57,18 @@ def load(results: Path) -> dict:
             runs[json.loads(host.read_text())["commit"] if host.is_file() else folder.name] = passes
     if runs:
         data["first_pass"] = runs
+    # ab/ (or the folder itself): gpu.sh's `ab` part, `ddtree bench` runs of two trees alternated, old-N and
+    # new-N; a run stopped at its limit may leave only rows.jsonl (the JSON lines it printed)
+    for folder in (results / "ab", results):
+        runs = {}
+        for run in sorted(p for p in folder.glob("*-*") if p.is_dir() and p.name.split("-")[0] in ("old", "new")):
+            if (run / "bench.json").is_file():
+                runs[run.name] = json.loads((run / "bench.json").read_text())["rows"]
+            elif (run / "rows.jsonl").is_file():
+                runs[run.name] = [json.loads(line) for line in (run / "rows.jsonl").read_text().splitlines() if line]
+        if runs:
+            data["ab"] = runs
+            break
     # host.json: where and at which commit; a part run on its own has its own beside its output
     data["hosts"] = {}
     for part in ("", "micro", "rounds", "smollm2", "serve"):
@@ -240,6 +252,55 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _span(values: list[float], digits: int) -> str:
+    """min–max of some runs' values (one value as itself); "—" for none."""
+    if not values:
+        return "—"
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def ab_table(runs: dict[str, list[dict]]) -> str:
+    """The `ab` part: per configuration, the old runs' span → the new runs' span of the graph replay (ms),
+    of the replay against the same run's `ar` replay at that batch size, and of each phase's kernel ms."""
+    rows = {
+        run: {(r["method"], r["budget"], r["batch"]): r for r in rs if "replay_ms" in r.get("graph_phases", {})}
+        for run, rs in runs.items()
+    }
+    configs = sorted(
+        {key for rs in rows.values() for key in rs},
+        key=lambda k: (k[2], ["ar", "dflash", "ddtree"].index(k[0]), k[1] or 0),
+    )
+    phases = ("draft", "tree", "verify", "walk", "commit")
+
+    def values(side: str, key: tuple, measure: str) -> list[float]:
+        out = []
+        for run, rs in rows.items():
+            r, ar = rs.get(key), rs.get(("ar", 0, key[2]))
+            if run.split("-")[0] != side or r is None:
+                continue
+            g = r["graph_phases"]
+            if measure == "replay":
+                out.append(g["replay_ms"])
+            elif measure == "vs ar" and ar is not None:
+                out.append(g["replay_ms"] / ar["graph_phases"]["replay_ms"])
+            elif measure in g["phases"]:
+                out.append(g["phases"][measure]["kernel_ms"])
+        return out
+
+    table = []
+    for key in configs:
+        method, budget, batch = key
+        cells = []
+        for measure in ("replay", "vs ar", *phases):
+            digits = 3 if measure in phases else 2
+            cells.append(" → ".join(_span(values(side, key, measure), digits) for side in ("old", "new")))
+        name = f"`ddtree` B={budget}" if method == "ddtree" else f"`{method}`"
+        table.append([name, batch, *cells])
+    header = ["method", "batch", "replay ms", "× `ar`", *(f"{p} kernel ms" for p in phases)]
+    return "old → new, the span of each side's runs:\n\n" + _table(header, table)
+
+
 def markdown(data: dict) -> str:
     """The tables of docs/benchmarks.md for this data."""
     out = []
@@ -355,6 +416,8 @@ def markdown(data: dict) -> str:
         out.append(
             _table(["method", "commit", "pass", "output tokens/s", "first / second", "TTFT p50 / p99 (ms)"], table)
         )
+    if "ab" in data:
+        out.append(ab_table(data["ab"]))
     return "\n\n".join(out) + "\n"
 
 
@@ -368,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {args.results} is not a folder", file=sys.stderr)
         return 2
     data = load(args.results)
-    if not any(k in data for k in ("micro", "rounds", "smollm2", "serve", "budget_auto", "first_pass")):
+    if not any(k in data for k in ("micro", "rounds", "smollm2", "serve", "budget_auto", "first_pass", "ab")):
         print(f"report: no benchmark output in {args.results}", file=sys.stderr)
         return 2
     if args.charts:

@@ -62,3 +62,22 @@ def test_the_budget_auto_runs_give_the_tables_on_the_page():
 def test_a_folder_without_results_is_one_line_and_exit_2(tmp_path):
     done = subprocess.run([sys.executable, str(REPORT), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == f"report: no benchmark output in {tmp_path}"
+
+
+def test_the_before_and_after_runs_give_the_spans_on_the_page():
+    """Every committed `ab`-style folder (old-N and new-N runs of `ddtree bench`): report.py prints one
+    line per configuration, and the page quotes the batch-16 replays and ratios of the ones it cites."""
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    folders = sorted({p.parent.parent for p in (REPO / "benchmarks" / "results").glob("*/*/new-*/bench.json")})
+    assert folders, "the page's before/after figures have their runs committed"
+    for folder in folders:
+        done = subprocess.run(
+            [sys.executable, str(REPORT), str(folder), "--markdown"], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        lines = [line for line in done.stdout.splitlines() if line.startswith("| `")]
+        assert {line.split(" | ")[1] for line in lines} == {"1", "16"}
+        if folder.name in page:
+            for method in ("`dflash`", "`ddtree` B=8"):
+                cells = next(line for line in lines if line.startswith(f"| {method} | 16 |")).split(" | ")
+                assert cells[2] in page and cells[3] in page, (method, cells[2:4])
