@@ -48,7 +48,7 @@
 # DDTREE_SMOLLM2_GGUF at a copy of its GGUF (see benchmarks/README.md). host.json records the commit
 # (DDTREE_BENCH_COMMIT where the tree is not a git checkout), date, GPU and torch version.
 set -euo pipefail
-OUT_DIR=$(realpath -m "${1:?usage: $0 OUT_DIR [micro|rounds|smollm2|serve|gpu-tests|kernels|moe|quant|load ...]}")
+OUT_DIR=$(realpath -m "${1:?usage: $0 OUT_DIR [micro|rounds|smollm2|serve|gpu-tests|kernels|moe|quant|load|ab ...]}")
 shift
 PARTS=("$@")
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(micro rounds smollm2 serve gpu-tests)
