@@ -31,6 +31,9 @@ def pytest_collection_modifyitems(config, items):
         # the real model: seconds to load, and the tests that use it run it for many more
         if "smollm2" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+        # the gpu mark (benchmarks/gpu.sh runs `-m gpu`) is also the skip on a host without CUDA
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         # TRITON_INTERPRET must be set before triton is imported, so only a process started with it runs these
         if item.get_closest_marker("triton_interpreter"):
             if not INTERPRETED:

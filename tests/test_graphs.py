@@ -2,7 +2,6 @@
 GPU tests are skipped on CPU; the shape checks and the smoke logic run everywhere."""
 
 import pytest
-import torch
 
 from ddtree.runtime.engine import Engine, SamplingParams
 from ddtree.runtime.graphs import GraphShapeError, RoundGraphs
@@ -10,12 +9,7 @@ from ddtree.runtime.smoke import run_smoke
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from tiny_models import random_target
 
-
-def gpu(test):
-    """CUDA graphs: marked gpu (benchmarks/gpu.sh runs `-m gpu`) and skipped without a CUDA device."""
-    return pytest.mark.gpu(
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")(test)
-    )
+gpu = pytest.mark.gpu  # CUDA graphs; conftest.py skips it without a CUDA device
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [5, 4]]

@@ -9,12 +9,7 @@ from ddtree.runtime.round_profile import MARKER, phase_floors, round_phases, spl
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from tiny_models import random_target
 
-
-def gpu(test):
-    """CUDA graphs: marked gpu (benchmarks/gpu.sh runs `-m gpu`) and skipped without a CUDA device."""
-    return pytest.mark.gpu(
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")(test)
-    )
+gpu = pytest.mark.gpu  # CUDA graphs; conftest.py skips it without a CUDA device
 
 
 def marked_replay(t0: float, kernels: dict[str, list[tuple[str, float]]]) -> list[tuple[str, float, float]]:
