@@ -4,7 +4,7 @@ GPU tests are skipped on CPU; the shape checks and the smoke logic run everywher
 import pytest
 
 from ddtree.runtime.engine import Engine, SamplingParams
-from ddtree.runtime.graphs import GraphShapeError, RoundGraphs
+from ddtree.runtime.graphs import GraphShapeError, RoundGraphs, plan_buckets
 from ddtree.runtime.smoke import run_smoke
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
 from tiny_models import random_target
@@ -41,6 +41,9 @@ def test_budget_per_batch_size_changes_only_at_graph_buckets():
     with pytest.raises(GraphShapeError, match=r"changes at batch sizes \[3\], which are not graph batch buckets"):
         RoundGraphs(engine, [1, 2, 4])
     graphs = RoundGraphs(make(budget={1: 16, 2: 8}), [1, 2, 4])
+    # `bench --policy` captures these for its rounds on 4 rows
+    assert plan_buckets(engine, 4) == [1, 3, 4] and plan_buckets(make(), 4) == [4]
+    RoundGraphs(engine, plan_buckets(engine, 4))
     assert [graphs.shape(b, 128, False).verify_tokens for b in (1, 2, 4)] == [17, 9, 9]
 
 
@@ -133,3 +136,12 @@ def test_budget_auto_captures_every_candidate_times_it_and_stays_lossless():
     engine._step = step
     report = run_smoke(engine, [1, 2, 4], PROMPTS, max_new_tokens=6)
     assert report.passed and report.mode == "cuda-graphs", report.reason
+
+
+@gpu
+def test_bench_runs_a_budget_per_batch_size_from_graphs():
+    from ddtree.runtime.bench import run_config
+
+    engine = make("cuda")  # its target and drafter, on the GPU
+    row = run_config(engine.target, engine.drafter, "ddtree", {1: 16, 4: 4}, 4, PROMPTS, True, 2, False)
+    assert (row["budget"], row["policy"], row["eager_fallbacks"]) == (4, "1:16,4:4", 0), row

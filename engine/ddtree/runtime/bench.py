@@ -27,7 +27,7 @@ from ..models.llama import Transformer
 from .build import make_engine
 from .engine import Engine, SamplingParams
 from .fused import use_backend
-from .graphs import median_replay_ms
+from .graphs import median_replay_ms, plan_buckets
 from .round_profile import matmul_throughput, round_phases, stored_weights
 
 
@@ -529,7 +529,9 @@ def run_config(target, drafter, method, budget, batch, prompts, graphs, rounds, 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     if graphs:
-        row["capture_seconds"] = round(engine.capture_graphs([batch], [engine.max_slots]), 3)
+        # under a budget per batch size, the buckets where its plans end below `batch` too (graphs refuses
+        # a plan that ends between buckets); the rounds below run `batch` rows only
+        row["capture_seconds"] = round(engine.capture_graphs(plan_buckets(engine, batch), [engine.max_slots]), 3)
     params = SamplingParams(max_new_tokens=max_seq - max(len(p) for p in prompts))
 
     def start_group(group: int, engine: Engine = engine) -> None:  # bound now: `engine` is deleted below

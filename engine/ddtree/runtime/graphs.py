@@ -65,6 +65,12 @@ def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int, after_each: Call
     return sorted(times)[repeats // 2]
 
 
+def plan_buckets(engine, batch: int) -> list[int]:
+    """The fewest batch buckets RoundGraphs accepts for rounds on `batch` rows: `batch`, and each smaller
+    row count where a budget per batch size ends a plan."""
+    return sorted({batch} | {p.batch for p in engine.plans[:batch] if p.batch < batch})
+
+
 class RoundGraphs:
     def __init__(self, engine, batch_buckets: list[int], span_buckets: list[int] | None = None, fallback: bool = False):
         bad = [b for b in batch_buckets if not 1 <= b <= engine.max_batch_size]
