@@ -29,6 +29,7 @@ from ddtree.runtime.fused import (
     FusedAttention,
     FusedMLP,
     TritonAttention,
+    TritonDrafterAttention,
     TritonMLP,
     build_ddtree_triton,
     use_backend,
@@ -660,15 +661,17 @@ def run_drafter(
 
 
 @interp
-@pytest.mark.parametrize("window", [None, 3])
-def test_drafter_with_kernels_equals_without(monkeypatch, window):
+@pytest.mark.parametrize("window,joint_rows", [(None, 64), (3, 64), (None, 0)])
+def test_drafter_with_kernels_equals_without(monkeypatch, window, joint_rows):
     """The drafter's block forward and context append with the kernels (fused q/k/v, residual adds fused
     with the norms after them): outputs and caches as with the PyTorch path; with a sliding-window layer
     too, whose mask has its own bounds: the full layer's block sees the whole context, the windowed
-    one's nothing of it before the window (key blocks of 16, so that the context spans two whole ones)."""
+    one's nothing of it before the window (key blocks of 16, so that the context spans two whole ones).
+    The round's block and context rows (14) go through one q/k/v GEMM, or (joint_rows 0) two."""
     from ddtree.runtime import kernels
 
     monkeypatch.setattr(kernels, "attention", functools.partial(kernels.attention, block_n=16))
+    monkeypatch.setattr(TritonDrafterAttention, "joint_rows", joint_rows)
     for a, b in zip(
         run_drafter(kernels=True, window=window, prompt=40), run_drafter(kernels=False, window=window, prompt=40)
     ):

@@ -456,14 +456,18 @@ SWAPS["triton"][Fp8BlockLinear] = TritonFp8BlockLinear
 
 
 class TritonDrafterAttention(_FusedQKV, DrafterAttention):
-    """The target's Triton path for the drafter's attention: the block's q, k and v from one GEMM and the
-    context's k and v from one (views into one concatenated weight), q/k norms, RoPE and cache writes in
-    one kernel, tree attention over the block, and o as the target's skinny GEMM (the drafter's o has the
-    target's shape) whose K-split partial sums the fused layer's add_rms_norm adds up."""
+    """The target's Triton path for the drafter's attention: the block's q, k and v and the new context's
+    k and v from one GEMM over both while they are few rows (joint_rows; else one GEMM each, over views
+    into one concatenated weight), q/k norms, RoPE and cache writes in one kernel, tree attention over
+    the block, and o as the target's skinny GEMM (the drafter's o has the target's shape) whose K-split
+    partial sums the fused layer's add_rms_norm adds up."""
 
     reference = DrafterAttention
     # whether its layer adds up o's K-split partial sums (TritonDrafterLayer does; DFlash2's layer does not)
     partial_sums = False
+    # up to this many block + context rows, one GEMM over both reads the q/k/v weight once (the context's q
+    # columns are computed and dropped): the GEMMs are weight-bound there; past it the dropped columns cost
+    joint_rows = 64
 
     def _split(self, out: Tensor, heads: tuple[int, ...]) -> list[Tensor]:
         """out [bs, T, sum(heads) * head_dim] -> one [bs, T, n, head_dim] view per entry n of heads."""
@@ -478,6 +482,20 @@ class TritonDrafterAttention(_FusedQKV, DrafterAttention):
         q_width = self.n_heads * self.head_dim  # k and v: the rows of wqkv after q's
         bkv = self.bqkv[q_width:] if self.bqkv is not None else None
         k, v = self._split(F.linear(ctx, self.wqkv[q_width:], bkv), (self.n_kv, self.n_kv))
+        self._cache_context(k, v, rope_ctx, ctx_slots)
+
+    def forward(self, x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta=None) -> Tensor:
+        if ctx is None or x.shape[0] * (x.shape[1] + ctx.shape[1]) > self.joint_rows:
+            return super().forward(x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta)
+        T = x.shape[1]
+        q, k, v = self._split(
+            F.linear(torch.cat([x, ctx], dim=1), self.wqkv, self.bqkv), (self.n_heads, self.n_kv, self.n_kv)
+        )
+        self._cache_context(k[:, T:], v[:, T:], rope_ctx, ctx_slots)
+        q = self._rotate_and_cache(q[:, :T], k[:, :T], v[:, :T], rope_blk, blk_slots)
+        return self.output(self.attend(q, mask, meta))
+
+    def _cache_context(self, k: Tensor, v: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor) -> None:
         w = self.k_norm.weight  # k only: no query heads
         kernels.qk_norm_rope_kv(
             k[:, :, :0], k, v, *rope_ctx, w, w, self.k_norm.eps, self.kv_cache.k, self.kv_cache.v, ctx_slots
@@ -485,6 +503,11 @@ class TritonDrafterAttention(_FusedQKV, DrafterAttention):
 
     def rotate_and_cache(self, x: Tensor, rope_blk: tuple[Tensor, Tensor], blk_slots: Tensor) -> Tensor:
         q, k, v = self._split(F.linear(x, self.wqkv, self.bqkv), (self.n_heads, self.n_kv, self.n_kv))
+        return self._rotate_and_cache(q, k, v, rope_blk, blk_slots)
+
+    def _rotate_and_cache(
+        self, q: Tensor, k: Tensor, v: Tensor, rope_blk: tuple[Tensor, Tensor], blk_slots: Tensor
+    ) -> Tensor:
         return kernels.qk_norm_rope_kv(
             q,
             k,
