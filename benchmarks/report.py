@@ -262,21 +262,26 @@ def _span(values: list[float], digits: int) -> str:
 
 def ab_table(runs: dict[str, list[dict]]) -> str:
     """The `ab` part: per configuration, the old runs' span → the new runs' span of the graph replay (ms),
-    of the replay against the same run's `ar` replay at that batch size, and of each phase's kernel ms."""
+    of the replay against the same run's `ar` replay at that batch size, and of each phase's kernel ms.
+    A --policy row is a configuration of its own, after the fixed budgets."""
     rows = {
-        run: {(r["method"], r["budget"], r["batch"]): r for r in rs if "replay_ms" in r.get("graph_phases", {})}
+        run: {
+            (r["method"], r["budget"], r["batch"], r.get("policy", "")): r
+            for r in rs
+            if "replay_ms" in r.get("graph_phases", {})
+        }
         for run, rs in runs.items()
     }
     configs = sorted(
         {key for rs in rows.values() for key in rs},
-        key=lambda k: (k[2], ["ar", "dflash", "ddtree"].index(k[0]), k[1] or 0),
+        key=lambda k: (k[2], ["ar", "dflash", "ddtree"].index(k[0]), k[3], k[1] or 0),
     )
     phases = ("draft", "tree", "verify", "walk", "commit")
 
     def values(side: str, key: tuple, measure: str) -> list[float]:
         out = []
         for run, rs in rows.items():
-            r, ar = rs.get(key), rs.get(("ar", 0, key[2]))
+            r, ar = rs.get(key), rs.get(("ar", 0, key[2], ""))
             if run.split("-")[0] != side or r is None:
                 continue
             g = r["graph_phases"]
@@ -290,13 +295,13 @@ def ab_table(runs: dict[str, list[dict]]) -> str:
 
     table = []
     for key in configs:
-        method, budget, batch = key
+        method, budget, batch, policy = key
         cells = []
         for measure in ("replay", "vs ar", *phases):
             digits = 3 if measure in phases else 2
             cells.append(" → ".join(_span(values(side, key, measure), digits) for side in ("old", "new")))
         name = f"`ddtree` B={budget}" if method == "ddtree" else f"`{method}`"
-        table.append([name, batch, *cells])
+        table.append([name + (f" (`{policy}`)" if policy else ""), batch, *cells])
     header = ["method", "batch", "replay ms", "× `ar`", *(f"{p} kernel ms" for p in phases)]
     return "old → new, the span of each side's runs:\n\n" + _table(header, table)
 
