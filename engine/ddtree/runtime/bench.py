@@ -12,6 +12,7 @@ acceptance is meaningless and labelled so).
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -359,11 +360,19 @@ def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -
 
 
 @torch.inference_mode()
-def attention_sweep(device="cuda", shapes=None) -> list[dict]:
-    """kernels.attention's tuning knobs (chunk: key slots per program, up to one chunk for the whole span;
-    max_rows; num_stages) swept at the Qwen3-8B geometry (32 query heads, 8 KV heads of 128) over `shapes`
-    (batch, query tokens, cached tokens, span of the graph bucket; default: decode, draft and verify
-    widths at batch 1 to 64): per shape, the default's time and every configuration's."""
+def attention_sweep(
+    device="cuda",
+    shapes=None,
+    chunks: tuple[int, ...] | None = None,
+    max_rows: tuple[int, ...] = (64, 128),
+    warps: tuple[int, ...] = (4,),
+    stages: tuple[int, ...] = (2, 3),
+) -> list[dict]:
+    """kernels.attention's tuning knobs (chunk: key slots per program, 64 to one chunk for the whole span
+    unless `chunks` names them; max_rows; num_warps; num_stages) swept at the Qwen3-8B geometry (32 query
+    heads, 8 KV heads of 128) over `shapes` (batch, query tokens, cached tokens, span of the graph bucket;
+    default: decode, draft and verify widths at batch 1 to 64): per shape, the default's time and every
+    configuration's."""
     from ..models.layers import identity_slot_map
     from . import kernels
 
@@ -391,19 +400,21 @@ def attention_sweep(device="cuda", shapes=None) -> list[dict]:
         reference = default()
         default_ms = _device_ms(default)
         configs = []
-        chunk = 64
-        while chunk < 2 * span:
-            for max_rows in (64, 128):
-                for stages in (2, 3):
-                    knobs = dict(chunk=chunk, max_rows=max_rows, num_stages=stages)
-                    run = partial(default, **knobs)
-                    try:
-                        torch.testing.assert_close(run(), reference, atol=2e-2, rtol=2e-2)
-                        configs.append({**knobs, "ms": round(_device_ms(run), 4)})
-                    except Exception as exc:  # a configuration that does not fit this GPU: skipped
-                        if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
-                            raise
+        doubling, chunk = [], 64
+        while chunk < 2 * span:  # 64 slots up to the first chunk that holds the whole span
+            doubling.append(chunk)
             chunk *= 2
+        for chunk, rows, num_warps, num_stages in itertools.product(chunks or doubling, max_rows, warps, stages):
+            knobs = dict(chunk=chunk, max_rows=rows, num_stages=num_stages)
+            if warps != (4,):
+                knobs["num_warps"] = num_warps
+            run = partial(default, **knobs)
+            try:
+                torch.testing.assert_close(run(), reference, atol=2e-2, rtol=2e-2)
+                configs.append({**knobs, "ms": round(_device_ms(run), 4)})
+            except Exception as exc:  # a configuration that does not fit this GPU: skipped
+                if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                    raise
         best = min(configs, key=lambda c: c["ms"])
         out.append(
             {
