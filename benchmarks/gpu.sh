@@ -40,7 +40,9 @@
 # ab         (not in the default set) kernel work before and after: the `rounds` part's phase tables at batch
 #            1 and 16 (ar, dflash, ddtree B=8 and 32) for this tree (new-N) and an older one (old-N), alternated
 #            DDTREE_AB_PAIRS times (default 2) into OUT_DIR/ab/; DDTREE_AB_BEFORE is a folder holding the older
-#            tree's engine/ (`git archive REV engine | tar -x -C DIR`). report.py prints old -> new per phase.
+#            tree's engine/ (`git archive REV engine | tar -x -C DIR`); DDTREE_AB_FLAGS adds bench flags to
+#            both sides (e.g. "--policy 1:32,16:8", which the older tree must know). report.py prints old -> new
+#            per phase.
 #
 # DDTREE_SERVE_METHODS picks the methods of the serve and serve-8b parts (default "ar dflash ddtree").
 #
@@ -259,13 +261,14 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
       before=$(realpath "${DDTREE_AB_BEFORE:?the ab part needs DDTREE_AB_BEFORE, a folder holding an older engine/}")
       [[ -d $before/engine/ddtree ]] || { echo "ab: $before holds no engine/ddtree" >&2; exit 2; }
       log "ab: this tree (new) against $before (old), ${DDTREE_AB_PAIRS:-2} pairs"
+      read -r -a flags <<< "${DDTREE_AB_FLAGS:-}"
       for i in $(seq "${DDTREE_AB_PAIRS:-2}"); do
         for side in new old; do
           engine=$PWD/engine
           [[ $side == old ]] && engine=$before/engine
           PYTHONPATH=$engine:$PWD/operator $PY -m ddtree bench --model random:qwen3-8b --drafter random:5 \
             --kernels triton --methods ar,dflash,ddtree --budgets 8,32 --batch-sizes 1,16 --graphs on --rounds 8 \
-            --out "$OUT_DIR/ab/$side-$i" || echo "ab: the $side-$i run failed" >&2
+            "${flags[@]}" --out "$OUT_DIR/ab/$side-$i" || echo "ab: the $side-$i run failed" >&2
         done
       done ;;
     gpu-tests)
