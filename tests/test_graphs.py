@@ -145,3 +145,21 @@ def test_bench_runs_a_budget_per_batch_size_from_graphs():
     engine = make("cuda")  # its target and drafter, on the GPU
     row = run_config(engine.target, engine.drafter, "ddtree", {1: 16, 4: 4}, 4, PROMPTS, True, 2, False)
     assert (row["budget"], row["policy"], row["eager_fallbacks"]) == (4, "1:16,4:4", 0), row
+
+
+@gpu
+def test_rounds_that_map_new_pages_sync_the_host_once_each():
+    """The one host sync of a round is its readout: the slot map of a row's new page is copied without one
+    (each row commits at least 20 tokens over the 20 rounds counted, so it crosses a 16-slot page)."""
+    from ddtree.runtime.bench import count_host_syncs
+
+    target = random_target().to("cuda")
+    drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=8), seed=1).to("cuda")
+    engine = Engine(target, drafter, "ddtree", 8, max_batch_size=4, max_seq_len=512)
+    engine.capture_graphs([4], [512])
+    for row, prompt in enumerate(PROMPTS):
+        engine.add(row, prompt, SamplingParams(max_new_tokens=400))
+    engine.step(4)
+    pages = [len(p) for p in engine.row_pages[:4]]
+    assert count_host_syncs(engine, 4, rounds=(23, 3)) == 1.0
+    assert all(len(p) > n for p, n in zip(engine.row_pages[:4], pages)), "every row took a new page"

@@ -507,9 +507,9 @@ def load_time(folder, device, dtype, rank: int = 0, world: int = 1) -> dict:
     }
 
 
-def count_host_syncs(engine: Engine, n: int) -> float:
-    """Host synchronisations per round from profiler traces: (syncs in 8 rounds - syncs in 3 rounds) / 5,
-    so that the profiler's own start/stop synchronisation cancels out."""
+def count_host_syncs(engine: Engine, n: int, rounds: tuple[int, int] = (8, 3)) -> float:
+    """Host synchronisations per round from profiler traces: (syncs in 8 rounds - syncs in 3 rounds) / 5
+    (`rounds`), so that the profiler's own start/stop synchronisation cancels out."""
     from torch.profiler import ProfilerActivity, profile
 
     names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -520,7 +520,8 @@ def count_host_syncs(engine: Engine, n: int) -> float:
                 engine.step(n)
         return sum(e.count for e in prof.key_averages() if e.key in names)
 
-    return (syncs(8) - syncs(3)) / 5
+    more, fewer = rounds
+    return (syncs(more) - syncs(fewer)) / (more - fewer)
 
 
 @torch.inference_mode()

@@ -331,13 +331,16 @@ class Engine:
         """Point row `row`'s slot map (the target's, which the drafter shares) at its pages from page `first`
         on: logical slot s is slot s % PAGE_SIZE of page s // PAGE_SIZE. Slots past its pages, and the logical
         trash slot max_slots, stay at the trash slot (release puts them back), so that a row's map changes
-        only where its pages do: one small copy per new page run, between rounds where serving waits on it."""
+        only where its pages do: one small copy per new page run, between rounds, queued without a host sync."""
         start, end = first * PAGE_SIZE, self._mapped_slots(row)
         if end <= start:
             return
         pages = torch.tensor(self.row_pages[row][first:], dtype=torch.int32)
-        slots = (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, dtype=torch.int32)).flatten()
-        self.target.slot_map[row, start:end].copy_(slots[: end - start])
+        slots = (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, dtype=torch.int32)).flatten()[: end - start]
+        dst = self.target.slot_map[row, start:end]
+        if dst.is_cuda:  # from pageable memory the copy waits for the device: a host sync per new page
+            slots = slots.pin_memory()
+        dst.copy_(slots, non_blocking=dst.is_cuda)
 
     def cached_text(self, row: int) -> list[int]:
         """The tokens whose keys and values are in slots 0.. of row `row`'s target and drafter caches."""
