@@ -298,7 +298,9 @@ def top_logprobs_reference(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def check_row_top_logprobs(device, dtype):
     """Each row's top-k log-probabilities and ids from logits of the draft's dtype: rows shorter than a
     chunk and not a multiple of it, k from 1 to 64 (row_top_applies' largest; up to V), a row of many
-    exact ties (lower index first), a probability-one row (one logit 200) and a half -inf row."""
+    exact ties (lower index first), a probability-one row (one logit 200) and a half -inf row; each
+    chunk's top k from its runs' maxima (the default run length, and runs of 2, so that equal maxima
+    abound) and from a sort of the whole chunk."""
     from ddtree.runtime.kernels import row_top_logprobs
 
     g = torch.Generator().manual_seed(5)
@@ -313,11 +315,14 @@ def check_row_top_logprobs(device, dtype):
         rows[0, 3] = 200.0
         rows[1] = rows[1].round()  # integers: a few dozen distinct values, ties at every length
         rows[-1, : shape[-1] // 2] = float("-inf")
-        for k in ks:
-            lp, ids = row_top_logprobs(x.to(device), k)
+        for k, group in itertools.product(ks, (None, 2, 1)):
+            kp = max(2, 1 << (k - 1).bit_length())
+            if group == 2 and min(4096, 1 << (shape[-1] - 1).bit_length()) < 2 * kp:
+                continue  # the chunk has fewer runs of 2 than k
+            lp, ids = row_top_logprobs(x.to(device), k, group=group)
             want_lp, want_ids = top_logprobs_reference(x, k)
             assert lp.shape == ids.shape == (*shape[:-1], k) and lp.dtype == torch.float32 and ids.dtype == torch.int64
-            assert torch.equal(ids.cpu(), want_ids), (shape, k)
+            assert torch.equal(ids.cpu(), want_ids), (shape, k, group)
             torch.testing.assert_close(lp.cpu(), want_lp, atol=2e-5, rtol=2e-6)
 
 

@@ -347,6 +347,8 @@ def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -
     for batch in (1, 16):
         logits = torch.randn(batch, depth, vocab, device=device, dtype=torch.bfloat16) * 3
         for budget in (8, 32):
+            kp = max(2, 1 << (budget - 1).bit_length())
+            runs = {g: partial(kernels.row_top_logprobs, logits, budget, group=g) for g in (1, 4, 8, 16, 32, 64)}
             rows.append(
                 {
                     "batch": batch,
@@ -354,8 +356,11 @@ def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -
                     "log_softmax_topk_ms": round(_device_ms(partial(top_candidates, logits, budget)), 4),
                     "topk_logsumexp_ms": round(_device_ms(partial(_topk_less_logsumexp, logits, budget)), 4),
                     "row_top_logprobs_ms": round(_device_ms(partial(kernels.row_top_logprobs, logits, budget)), 4),
+                    "group": kernels.row_top_group(4096, kp),
+                    "row_top_logprobs_ms_by_group": {g: round(_device_ms(run), 4) for g, run in runs.items()},
                 }
             )
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -569,9 +569,9 @@ def build_ddtree_triton(roots: Tensor, draft_logits: Tensor, budget: int) -> Tre
     fewer kernels per round at D = 15. Nodes are in pop order: best first, like build_ddtree. The
     candidates are top_candidates' without its fp32 log_softmax copy: each row's top-k log-probabilities
     from the logits in their own dtype (the same order), in one read (kernels.row_top_logprobs) where
-    that is faster, else torch's top-k less each row's logsumexp."""
+    it serves k, else torch's top-k less each row's logsumexp."""
     k = min(budget, draft_logits.shape[-1])
-    if kernels.row_top_applies(draft_logits.numel() // draft_logits.shape[-1], k):
+    if kernels.row_top_applies(k):
         top_lp, top_tok = kernels.row_top_logprobs(draft_logits, k)
     else:
         top_logits, top_tok = draft_logits.topk(k, dim=-1)

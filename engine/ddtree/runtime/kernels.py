@@ -24,6 +24,7 @@ TRITON_INTERPRET=1 set before triton is imported, the same kernels run on CPU te
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -631,11 +632,21 @@ if triton is not None:
         return tl.reshape(h, [K])
 
     @triton.jit
-    def _row_top_chunk_kernel(x_ptr, keys_ptr, ml_ptr, x_s, V: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr):
-        # program (row, chunk): the chunk's max, sum of exp(x - max) and top KP entries, as int64 keys that
-        # order like (value, -index): the value's fp32 bits made order-preserving as a signed int above,
-        # 2**32 - 1 - index below, so one integer top-k puts equal values lower index first. V, the
-        # vocabulary, is a model's constant
+    def _order_keys(x, n, live):
+        # int64 keys that order like (value, -index): the value's fp32 bits made order-preserving as a
+        # signed int above, 2**32 - 1 - index below, so one integer top-k puts equal values lower index first
+        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 ties +0.0
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        return tl.where(live, (ordered << 32) | (4294967295 - n.to(tl.int64)), _KEY_PAD)
+
+    @triton.jit
+    def _row_top_chunk_kernel(
+        x_ptr, keys_ptr, ml_ptr, x_s, V: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr
+    ):
+        # program (row, chunk): the chunk's max, sum of exp(x - max) and top KP entries as _order_keys. With
+        # GROUP > 1 the sort is of the maxima of the chunk's runs of GROUP entries, then of the entries of
+        # the KP runs with the largest: the top KP lie in those (keys are distinct: an entry of another run
+        # would have KP runs' maxima above it). V, the vocabulary, is a model's constant
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
         out = row * tl.num_programs(1) + chunk
@@ -644,9 +655,14 @@ if triton is not None:
         x = tl.load(x_ptr + row * x_s + n, mask=live, other=float("-inf")).to(tl.float32)
         m = tl.max(x, axis=0)
         s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 ties +0.0
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-        key = tl.where(live, (ordered << 32) | (4294967295 - n.to(tl.int64)), _KEY_PAD)
+        key = _order_keys(x, n, live)
+        if GROUP > 1:
+            best = _top(tl.max(tl.reshape(key, [CHUNK // GROUP, GROUP]), axis=1), KP)
+            first = ((4294967295 - (best & 4294967295)) // GROUP) * GROUP  # past V for a run of padding
+            n = tl.reshape(first[:, None] + tl.arange(0, GROUP)[None, :], [KP * GROUP])
+            live = n < V
+            x = tl.load(x_ptr + row * x_s + n, mask=live, other=float("-inf")).to(tl.float32)
+            key = _order_keys(x, n, live)
         tl.store(keys_ptr + out * KP + tl.arange(0, KP), _top(key, KP))
         tl.store(ml_ptr + 2 * out, m)
         tl.store(ml_ptr + 2 * out + 1, s)
@@ -819,35 +835,53 @@ def row_logsumexp(x: Tensor, block: int = 2048) -> Tensor:
     return out.view(x.shape[:-1])
 
 
-def row_top_applies(rows: int, k: int) -> bool:
-    """Whether row_top_logprobs beats torch's top-k + row_logsumexp at `rows` rows of 151936-wide logits
-    and k candidates each. On an H200 (8B shape, the tree phase of ddtree rounds in CUDA graphs, 2026-12-04,
-    commit 750afbc): 8 rows of k 8, 0.098 -> 0.031 ms; 15 of k 32, 0.139 -> 0.099; 128 of k 8, 0.282 ->
-    0.250; but 240 of k 32, 0.505 -> 0.78, where the chunks' bitonic sorts are the work. A k past 64
-    would also compile a merge of up to 64 x 256 keys."""
-    return k <= 64 and rows * k <= 1024
+def row_top_applies(k: int) -> bool:
+    """Whether row_top_logprobs serves k candidates per row, in place of torch's top-k + row_logsumexp: up
+    to k = 64 (a k past it would compile a merge of up to 64 x 256 keys), at any row count. On an H200
+    (`bench.tree_candidates_micro`, 151936-wide bf16 logits, 2026-12-04) it took 0.013 ms for 15 rows of k
+    8 (torch 0.093), 0.022 for 15 of k 32 (0.098), 0.116 for 240 of k 8 (0.422) and 0.162 for 240 of k 32
+    (0.424). Sorting whole chunks (group 1), 240 rows of k 32 took 0.683 ms, slower than torch."""
+    return k <= 64
 
 
-def row_top_logprobs(x: Tensor, k: int, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+def row_top_group(chunk: int, kp: int) -> int:
+    """row_top_logprobs' run length: the power of two at or below sqrt(chunk / kp), so that the sort of
+    the runs' maxima is no smaller than the sort of the best runs' entries (at chunk 4096: 16 for kp 8, 8
+    for kp 32, the fastest or within 2 % of it on an H200, `bench.tree_candidates_micro`)."""
+    return 1 << (math.isqrt(max(1, chunk // kp)).bit_length() - 1)
+
+
+def row_top_logprobs(x: Tensor, k: int, chunk: int = 4096, group: int | None = None) -> tuple[Tensor, Tensor]:
     """The k largest log-softmax values of each row of x [..., V] (any float dtype) and their indices,
     ([..., k] float32 descending, [..., k] int64), equal values lower index first: each value in fp32
     less the row's fp32 logsumexp. Two launches, one read of x: programs of `chunk` entries each keep
-    their top k (a bitonic sort of the chunk) and (max, sum of exp), and one program per row merges
-    them. Faster than torch's top-k (a multi-block radix select) and row_logsumexp for few rows of a
-    small k, slower for many: see row_top_applies."""
+    their top k and (max, sum of exp), and one program per row merges them. A chunk's top k is a bitonic
+    sort of the maxima of its runs of `group` entries (row_top_group's by default), then of the entries
+    of the k best runs (group 1: of the whole chunk). Faster than torch's top-k (a multi-block radix
+    select) and row_logsumexp: see row_top_applies."""
     vocab = x.shape[-1]
     assert 1 <= k <= vocab and x.stride(-1) == 1
     rows = x.reshape(-1, vocab)
     kp = max(2, triton.next_power_of_2(k))  # a hypercube of at least one axis
     chunk = max(kp, min(chunk, triton.next_power_of_2(vocab)))
     chunks = triton.cdiv(vocab, chunk)
+    group = row_top_group(chunk, kp) if group is None else group
+    assert group >= 1 and group & (group - 1) == 0 and chunk // group >= kp, (chunk, kp, group)
     lp = torch.empty(rows.shape[0], k, dtype=torch.float32, device=x.device)
     tok = torch.empty(rows.shape[0], k, dtype=torch.int64, device=x.device)
     if rows.shape[0]:
         keys = torch.empty(rows.shape[0], chunks, kp, dtype=torch.int64, device=x.device)
         ml = torch.empty(rows.shape[0], chunks, 2, dtype=torch.float32, device=x.device)
         _row_top_chunk_kernel[(rows.shape[0], chunks)](
-            rows, keys, ml, rows.stride(0), V=vocab, CHUNK=chunk, KP=kp, num_warps=min(8, max(1, chunk // 256))
+            rows,
+            keys,
+            ml,
+            rows.stride(0),
+            V=vocab,
+            CHUNK=chunk,
+            KP=kp,
+            GROUP=group,
+            num_warps=min(8, max(1, chunk // 256)),
         )
         c_pad = triton.next_power_of_2(chunks)
         _row_top_merge_kernel[(rows.shape[0],)](
