@@ -485,6 +485,89 @@ def skinny_sweep(device="cuda", hidden: int = 4096, inter: int = 12288) -> list[
     return out
 
 
+def _cublas_projection(x: Tensor, weight: Tensor, gate_up: bool) -> Tensor:
+    from . import kernels
+
+    return kernels.silu_mul(x @ weight.T) if gate_up else x @ weight.T
+
+
+@torch.inference_mode()
+def wide_sweep(
+    device="cuda",
+    rows: tuple[int, ...] = (144, 256, 528),
+    projections: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
+    hidden: int = 4096,
+    inter: int = 12288,
+    qkv: int = 6144,
+) -> list[dict]:
+    """kernels.skinny_linear's wide configurations (block_n, block_k, splits, warps, stages, block_m) swept
+    for the 8B shape's projections at the row counts of a batch-16 verify (144 rows at B=8, 528 at B=32)
+    and a batch-16 draft block (256), timed in CUDA graphs against cuBLAS (gate/up followed by silu_mul, as
+    the unfused path) and the floor, max(weight bytes / copy bandwidth, FLOPs / matmul throughput): per
+    projection and row count, cuBLAS's time, the configuration in use (o's, fused.TritonAttention; the
+    others stay on cuBLAS) and the fastest. q/k/v and gate/up take one K split (their outputs are not
+    summed later). One weight per projection is timed over and over: a weight that fits in L2 (o's 32 MB)
+    is read from there, so its times are below what a forward, which reads 36 layers' weights, sees."""
+    from . import kernels
+    from .fused import TritonAttention
+    from .round_profile import matmul_throughput
+
+    shapes = {"qkv": (qkv, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    in_use = {"qkv": None, "o": TritonAttention.o_wide, "gate_up": None, "down": None}
+    bandwidth, rate = copy_bandwidth(device), matmul_throughput(device)
+    out = []
+    for name in projections:
+        n, k = shapes[name]
+        gate_up = name == "gate_up"
+        weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            cublas = partial(_cublas_projection, x, weight, gate_up)
+            reference = cublas().float()
+            timed: dict[tuple, float] = {}
+            configs: set[tuple[int, ...]] = {
+                (block_n, block_k, splits, 4 if block_m == 64 else 8, stages, block_m)
+                for block_m in (64, 128)
+                for block_n in (64, 128)
+                for block_k in (64, 128)
+                for splits in ((1,) if name in ("qkv", "gate_up") else (1, 2, 4))
+                for stages in (3, 4)
+            }
+            if in_use[name] is not None:
+                configs.add(in_use[name])
+            for config in sorted(configs):
+                block_n, block_k, splits = config[:3]
+                if (n // 2 if gate_up else n) % block_n or k % (block_k * splits):
+                    continue
+                run = partial(kernels.skinny_linear, x, weight, config, gate_up=gate_up)
+                try:
+                    got = run()
+                    torch.testing.assert_close(
+                        got.float().sum(0) if got.dim() == 3 else got.float(), reference, atol=3e-2, rtol=3e-2
+                    )
+                    timed[config] = _device_ms(run)
+                except Exception as exc:  # a configuration that does not fit this GPU: skipped
+                    if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                        raise
+            best = min(timed, key=timed.__getitem__)
+            floor = max(n * k * 2 / bandwidth, 2 * m * n * k / rate) * 1000
+            out.append(
+                {
+                    "projection": name,
+                    "rows": m,
+                    "cublas_ms": round(_device_ms(cublas), 4),
+                    "in_use": list(in_use[name]) if in_use[name] else None,
+                    "in_use_ms": round(timed[in_use[name]], 4) if in_use[name] in timed else None,
+                    "best": list(best),
+                    "best_ms": round(timed[best], 4),
+                    "floor_ms": round(floor, 4),
+                    "configs": [[*c, round(t, 4)] for c, t in sorted(timed.items(), key=lambda e: e[1])[:8]],
+                }
+            )
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def load_time(folder, device, dtype, rank: int = 0, world: int = 1) -> dict:
     """Seconds and peak host memory of loading a checkpoint folder as rank `rank` of `world` (each rank reads
     only its slices: loading needs no process group, so the ranks can be timed one after another)."""
