@@ -91,7 +91,7 @@ class _FusedQKV(_Swapped):
         self.wqkv = self.bqkv = None
 
 
-def skinny_o(out: Tensor, o_proj: nn.Linear, tp, config: kernels.SkinnyConfig | None) -> Tensor | None:
+def skinny_o(out: Tensor, o_proj: nn.Linear, tp, config: tuple[int, int, int, int, int] | None) -> Tensor | None:
     """o_proj(out) as the skinny GEMM's K-split partial sums [splits, *out.shape[:-1], hidden], for
     add_rms_norm to add up, when the kernel serves this shape; None otherwise."""
     rows, w = out.shape[0] * out.shape[1], o_proj.weight
@@ -130,27 +130,14 @@ class TritonAttention(FusedAttention):
     - one row (a batch-1 decode step): q/k/v and o as GEMVs, (BLOCK_N, BLOCK_K, warps, stages) below;
     - 2-64 rows: o as a skinny GEMM whose K-split partial sums the next add_rms_norm adds up
       (BLOCK_N, BLOCK_K, K splits, warps, stages), when it divides the weight; q/k/v stay on cuBLAS;
-    - 65-192 rows (a verify of 9 tokens at batch 16): o as the skinny GEMM in row tiles (the same
-      configuration, then the row tile), where cuBLAS runs tiles of 64 output columns, 64 programs for
-      the 8B shape's 4096; q/k/v, gate/up and down stay on cuBLAS, which was faster at 144-528 rows
-      (`bench.wide_sweep`);
     - the paged tree attention for 1..max_tokens query tokens per sequence (decode steps and every tree up
       to B = 255; an `ar` round at batch 64 took 8.44 ms with it, 33.4 ms through SDPA over keys gathered
       by the slot map, on an H200, 2026-12-03); SDPA over gathered keys for longer prefill chunks."""
 
     qkv_gemv = (8, 256, 4, 3)
     o_gemv = (16, 1024, 8, 3)
-    o_skinny: kernels.SkinnyConfig | None = (64, 128, 2, 4, 5)
-    o_wide: kernels.SkinnyConfig | None = (128, 64, 4, 4, 3, 64)
-    o_wide_max_rows = 192
+    o_skinny: tuple[int, int, int, int, int] | None = (64, 128, 2, 4, 5)
     max_tokens = 256
-
-    @classmethod
-    def o_config(cls, rows: int) -> kernels.SkinnyConfig | None:
-        """o's skinny GEMM configuration at `rows` rows."""
-        if rows <= kernels.SKINNY_MAX_ROWS:
-            return cls.o_skinny
-        return cls.o_wide if rows <= cls.o_wide_max_rows else None
 
     def uses_tree_attention(self, bs: int, T: int) -> bool:
         return T <= self.max_tokens
@@ -195,7 +182,7 @@ class TritonAttention(FusedAttention):
     def output(self, out: Tensor) -> Tensor:
         if out.shape[0] * out.shape[1] == 1:
             out = kernels.gemv(out, self.o_proj.weight, self.o_proj.bias, config=self.o_gemv)
-        elif (parts := skinny_o(out, self.o_proj, self.tp, self.o_config(out.shape[0] * out.shape[1]))) is not None:
+        elif (parts := skinny_o(out, self.o_proj, self.tp, self.o_skinny)) is not None:
             return parts
         else:
             out = self.o_proj(out)
@@ -225,10 +212,10 @@ class TritonMLP(FusedMLP):
     otherwise cuBLAS and the silu_mul kernel."""
 
     down_gemv = (8, 512, 8, 3)
-    gate_up_skinny: kernels.SkinnyConfig | None = (32, 64, 1, 4, 4)
+    gate_up_skinny: tuple[int, int, int, int, int] | None = (32, 64, 1, 4, 4)
 
     @classmethod
-    def config_for(cls, rows: int) -> kernels.SkinnyConfig | None:
+    def config_for(cls, rows: int) -> tuple[int, int, int, int, int] | None:
         """The gate/up skinny GEMM's configuration at `rows` rows."""
         return cls.gate_up_skinny
 
@@ -539,8 +526,7 @@ class TritonDrafterAttention(_FusedQKV, DrafterAttention):
         return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, None, meta)
 
     def output(self, out: Tensor) -> Tensor:
-        rows = out.shape[0] * out.shape[1]
-        parts = skinny_o(out, self.o_proj, self.tp, TritonAttention.o_config(rows)) if self.partial_sums else None
+        parts = skinny_o(out, self.o_proj, self.tp, TritonAttention.o_skinny) if self.partial_sums else None
         return super().output(out) if parts is None else parts
 
 

@@ -205,16 +205,14 @@ if triton is not None:
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice, for BLOCK_N rows of w and the
-        # BLOCK_M rows of x of its row tile: with one tile (M <= BLOCK_M) each weight tile is read once and
-        # meets every row; the row tiles of a weight tile are adjacent programs, so that its later reads
-        # come from L2. With GATE_UP, w is [gate | up] (up_off elements apart) and the program writes
-        # silu(gate) * up for its columns
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        split = tl.program_id(2)
+        # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice, for BLOCK_N rows of w and all
+        # M (<= BLOCK_M) rows of x: each weight tile is read once and meets every row. With GATE_UP, w is
+        # [gate | up] (up_off elements apart) and the program writes silu(gate) * up for its columns
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
         kk = split * K_SPLIT + tl.arange(0, BLOCK_K)
-        x_tile = x_ptr + m[:, None].to(tl.int64) * x_s + kk[None, :]
+        x_tile = x_ptr + m[:, None] * x_s + kk[None, :]
         w_tile = w_ptr + n[None, :].to(tl.int64) * w_sn + kk[:, None]  # [BLOCK_K, BLOCK_N], w transposed
         live = m[:, None] < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -235,9 +233,7 @@ if triton is not None:
             gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
             acc = gate * tl.sigmoid(gate) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(
-            out_ptr + split * part_s + m[:, None].to(tl.int64) * out_s + n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=live,
+            out_ptr + split * part_s + m[:, None] * out_s + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=live
         )
 
     @triton.jit
@@ -1048,42 +1044,39 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return normed.view(residual.shape), res.view(residual.shape)
 
 
-# rows skinny_linear serves (fused.TritonAttention / TritonMLP hold its configurations per projection): a
-# configuration (block_n, block_k, splits, warps, stages) serves 2-64 rows in one row tile; a wide one,
-# (block_n, block_k, splits, warps, stages, block_m), 65-1024 rows in tiles of block_m
-SKINNY_MIN_ROWS, SKINNY_MAX_ROWS, SKINNY_WIDE_MAX_ROWS = 2, 64, 1024
-SkinnyConfig = tuple[int, ...]
+# rows skinny_linear serves (fused.TritonAttention / TritonMLP hold its configurations per projection)
+SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 2, 64
 
 
-def skinny_applies(rows: int, n: int, k: int, config: SkinnyConfig | None, dtype: torch.dtype) -> bool:
+def skinny_applies(
+    rows: int, n: int, k: int, config: tuple[int, int, int, int, int] | None, dtype: torch.dtype
+) -> bool:
     """skinny_linear serves an [n, k] weight of `dtype` at `rows` rows with `config` (None: a projection
     it does not serve). The configurations are for 16-bit weights: fp32 tiles would not fit in shared memory."""
     if config is None or dtype.itemsize != 2:
         return False
-    block_n, block_k, splits = config[:3]
-    low, high = (SKINNY_MIN_ROWS, SKINNY_MAX_ROWS) if len(config) == 5 else (SKINNY_MAX_ROWS + 1, SKINNY_WIDE_MAX_ROWS)
-    return low <= rows <= high and n % block_n == 0 and k % (block_k * splits) == 0
+    block_n, block_k, splits, _, _ = config
+    return SKINNY_MIN_ROWS <= rows <= SKINNY_MAX_ROWS and n % block_n == 0 and k % (block_k * splits) == 0
 
 
 def skinny_block_m(rows: int) -> int:
-    """skinny_linear's row tile for 2-64 rows: 16 (tl.dot's minimum) or 64. For 17-32 rows a tile of 32
-    measured slower than one of 64 in whole forwards of the 8B shape on an H200 (docs/engine.md, "Fused
+    """skinny_linear's row tile: 16 (tl.dot's minimum) or 64. For 17-32 rows a tile of 32 measured
+    slower than one of 64 in whole forwards of the 8B shape on an H200 (docs/engine.md, "Fused
     kernels")."""
     return 16 if rows <= 16 else 64
 
 
-def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig, gate_up: bool = False) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int], gate_up: bool = False) -> Tensor:
     """F.linear(x, weight) for a few rows (a verify forward at batch 1), as one kernel.
 
     At 33 rows it reads the o and gate/up weights of the 8B shape closer to their HBM time than cuBLAS
     does (o as two partial products in one batched GEMM; gate/up followed by silu_mul), measured on an
-    H200 (docs/engine.md, "Fused kernels"). Each program streams BLOCK_N rows of the weight through
-    tl.dot with all the rows of x (on a row tile of skinny_block_m), with no reduction kernel; a wide
-    configuration (a sixth entry, the row tile) serves 65-1024 rows in several row tiles. With K splits
-    > 1 it returns the unsummed partial products [splits, *x.shape[:-1], N] in fp32, for add_rms_norm to
-    add up. gate_up=True takes the fused [gate | up] weight and returns
+    H200 (docs/engine.md, "Fused kernels"). Each program streams BLOCK_N rows of the
+    weight through tl.dot with all the rows of x (on a row tile of skinny_block_m), with no reduction
+    kernel. With K splits > 1 it returns the unsummed partial products [splits, *x.shape[:-1], N] in
+    fp32, for add_rms_norm to add up. gate_up=True takes the fused [gate | up] weight and returns
     silu(gate) * up [..., N / 2], which saves the silu_mul kernel."""
-    block_n, block_k, splits, warps, stages = config[:5]
+    block_n, block_k, splits, warps, stages = config
     *lead, k = x.shape
     n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -1095,9 +1088,8 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig, gate_up: bool
         k,
         config,
     )
-    block_m = config[5] if len(config) == 6 else skinny_block_m(rows)
     out = torch.empty(splits, rows, n_out, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
-    _skinny_linear_kernel[(triton.cdiv(rows, block_m), n_out // block_n, splits)](
+    _skinny_linear_kernel[(n_out // block_n, splits)](
         x2,
         weight,
         out,
@@ -1108,7 +1100,7 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig, gate_up: bool
         out.stride(0),
         n_out * weight.stride(0),
         K_SPLIT=k // splits,
-        BLOCK_M=block_m,
+        BLOCK_M=skinny_block_m(rows),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GATE_UP=gate_up,
