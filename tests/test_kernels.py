@@ -864,7 +864,11 @@ def test_kernels_compile_for_h200_without_a_gpu():
             )
         kp = 32 if dtype == "bf16" else 64  # a usual budget's; row_top_applies' largest
         compile_(
-            K._row_top_chunk_kernel, dtype, dict(keys_ptr="*i64", ml_ptr="*fp32"), dict(V=151936, CHUNK=4096, KP=kp), 8
+            K._row_top_chunk_kernel,
+            dtype,
+            dict(keys_ptr="*i64", ml_ptr="*fp32"),
+            dict(V=151936, CHUNK=4096, KP=kp, GROUP=K.row_top_group(4096, kp)),
+            8,
         )
         if dtype == "fp32":
             compile_(
