@@ -796,8 +796,8 @@ def test_kernels_compile_for_h200_without_a_gpu():
                     K._qk_norm_rope_kv_kernel,
                     dtype,
                     dict(slots_ptr="*i32", T="i32", eps="fp32"),
-                    dict(N_HEADS=n_heads, HALF=64, BLOCK=64, HAS_NORM=norm),
-                    1,
+                    dict(N_HEADS=n_heads, N_KV=8, QH_PAD=max(n_heads, 1), KV_PAD=8, HALF=64, BLOCK=64, HAS_NORM=norm),
+                    4,
                 )
         compile_(K._silu_mul_kernel, dtype, dict(inter="i32"), dict(BLOCK=1024), 4)
         for silu_mul in (False, True):

@@ -49,12 +49,38 @@ if triton is not None:
 
     @triton.jit
     def _rms_halves(x1, x2, w_ptr, d, mask, HALF: tl.constexpr, eps):
-        """RMSNorm of a head held as its two rotate-half halves (masked lanes are 0)."""
-        var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
-        r = 1.0 / tl.sqrt(var + eps)
-        w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        """RMSNorm of heads [H, BLOCK] held as their two rotate-half halves (masked lanes are 0)."""
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        r = (1.0 / tl.sqrt(var + eps))[:, None]
+        w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)[None, :]
         return x1 * r * w1, x2 * r * w2
+
+    @triton.jit
+    def _norm_rope_heads(
+        src,
+        s_h,
+        w_ptr,
+        cos_sin,
+        eps,
+        HEADS: tl.constexpr,
+        H_PAD: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
+        # a token's HEADS heads (src, s_h apart) normalised and rotated: the two rotate-half halves in fp32
+        c1, c2, s1, s2 = cos_sin
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, BLOCK)
+        m = (h[:, None] < HEADS) & (d[None, :] < HALF)
+        at = src + h[:, None] * s_h + d[None, :]
+        x1 = tl.load(at, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(at + HALF, mask=m, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            x1, x2 = _rms_halves(x1, x2, w_ptr, d, d < HALF, HALF, eps)
+        # rotate-half RoPE: [x1, x2] * cos + [-x2, x1] * sin
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, h, d, m
 
     @triton.jit
     def _qk_norm_rope_kv_kernel(
@@ -91,46 +117,45 @@ if triton is not None:
         sl_sb,
         sl_st,
         N_HEADS: tl.constexpr,
+        N_KV: tl.constexpr,
+        QH_PAD: tl.constexpr,
+        KV_PAD: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
         HAS_NORM: tl.constexpr,
     ):
-        # one program per (token, head); heads 0..N_HEADS-1 are query heads, the rest KV heads
+        # one program per (token, part): part 0 all the token's query heads, part 1 (part 0 without query
+        # heads) all its KV heads, so that cos/sin and the slot are read once per token and a program
+        # moves whole rows of q/k/v, where one program per (token, head) was a few hundred bytes each
         tok = tl.program_id(0).to(tl.int64)  # int64: cache offsets can pass 2**31
-        head = tl.program_id(1)
         b = tok // T
         t = tok % T
         d = tl.arange(0, BLOCK)
         m = d < HALF
-        c1 = tl.load(cos_ptr + b * cos_sb + t * cos_st + d, mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + b * cos_sb + t * cos_st + HALF + d, mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + b * sin_sb + t * sin_st + d, mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + b * sin_sb + t * sin_st + HALF + d, mask=m, other=0.0).to(tl.float32)
-        if head < N_HEADS:
-            src = q_ptr + b * q_sb + t * q_st + head * q_sh
-            x1 = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF + d, mask=m, other=0.0).to(tl.float32)
-            if HAS_NORM:
-                x1, x2 = _rms_halves(x1, x2, qw_ptr, d, m, HALF, eps)
-            # rotate-half RoPE: [x1, x2] * cos + [-x2, x1] * sin
-            dst = out_ptr + ((b * N_HEADS + head) * T + t) * (2 * HALF)  # [bs, heads, T, hd]
-            tl.store(dst + d, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=m)
-            tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=m)
+        c1 = tl.load(cos_ptr + b * cos_sb + t * cos_st + d, mask=m, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + b * cos_sb + t * cos_st + HALF + d, mask=m, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + b * sin_sb + t * sin_st + d, mask=m, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + b * sin_sb + t * sin_st + HALF + d, mask=m, other=0.0).to(tl.float32)[None, :]
+        cos_sin = (c1, c2, s1, s2)
+        if N_HEADS > 0 and tl.program_id(1) == 0:
+            qy1, qy2, qh, qd, qm = _norm_rope_heads(
+                q_ptr + b * q_sb + t * q_st, q_sh, qw_ptr, cos_sin, eps, N_HEADS, QH_PAD, HALF, BLOCK, HAS_NORM
+            )
+            dst = out_ptr + ((b * N_HEADS + qh[:, None]) * T + t) * (2 * HALF) + qd[None, :]  # [bs, heads, T, hd]
+            tl.store(dst, qy1.to(out_ptr.dtype.element_ty), mask=qm)
+            tl.store(dst + HALF, qy2.to(out_ptr.dtype.element_ty), mask=qm)
         else:
-            h = head - N_HEADS
-            src = k_ptr + b * k_sb + t * k_st + h * k_sh
-            x1 = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF + d, mask=m, other=0.0).to(tl.float32)
-            if HAS_NORM:
-                x1, x2 = _rms_halves(x1, x2, kw_ptr, d, m, HALF, eps)
+            ky1, ky2, kh, kd, km = _norm_rope_heads(
+                k_ptr + b * k_sb + t * k_st, k_sh, kw_ptr, cos_sin, eps, N_KV, KV_PAD, HALF, BLOCK, HAS_NORM
+            )
             slot = tl.load(slots_ptr + b * sl_sb + t * sl_st).to(tl.int64)
-            dst = kc_ptr + h * kc_sh + slot * kc_ss
-            tl.store(dst + d, (x1 * c1 - x2 * s1).to(kc_ptr.dtype.element_ty), mask=m)
-            tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(kc_ptr.dtype.element_ty), mask=m)
-            vsrc = v_ptr + b * v_sb + t * v_st + h * v_sh
-            vdst = vc_ptr + h * vc_sh + slot * vc_ss
-            tl.store(vdst + d, tl.load(vsrc + d, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
-            tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
+            kdst = kc_ptr + kh[:, None] * kc_sh + slot * kc_ss + kd[None, :]
+            tl.store(kdst, ky1.to(kc_ptr.dtype.element_ty), mask=km)
+            tl.store(kdst + HALF, ky2.to(kc_ptr.dtype.element_ty), mask=km)
+            vsrc = v_ptr + b * v_sb + t * v_st + kh[:, None] * v_sh + kd[None, :]
+            vdst = vc_ptr + kh[:, None] * vc_sh + slot * vc_ss + kd[None, :]
+            tl.store(vdst, tl.load(vsrc, mask=km, other=0.0).to(vc_ptr.dtype.element_ty), mask=km)
+            tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=km, other=0.0).to(vc_ptr.dtype.element_ty), mask=km)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, gu_s, out_s, BLOCK: tl.constexpr):
@@ -918,7 +943,7 @@ def qk_norm_rope_kv(
         return out
     half = hd // 2
     norm = q_norm_w is not None
-    _qk_norm_rope_kv_kernel[(bs * T, n_heads + n_kv)](
+    _qk_norm_rope_kv_kernel[(bs * T, 2 if n_heads else 1)](
         q,
         k,
         v,
@@ -952,10 +977,13 @@ def qk_norm_rope_kv(
         slots.stride(0),
         slots.stride(1),
         N_HEADS=n_heads,
+        N_KV=n_kv,
+        QH_PAD=triton.next_power_of_2(max(n_heads, 1)),
+        KV_PAD=triton.next_power_of_2(n_kv),
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
         HAS_NORM=norm,
-        num_warps=1 if half <= 64 else 2,
+        num_warps=min(8, max(1, triton.next_power_of_2(max(n_heads, n_kv)) * half // 512)),
     )
     return out
 
