@@ -791,13 +791,14 @@ def test_kernels_compile_for_h200_without_a_gpu():
 
     for dtype in ("bf16", "fp32"):
         for norm in (False, True):
-            for n_heads in (32, 0):  # 0: k and v only (the drafter's context append)
+            # n_heads 0: k and v only (the drafter's context append); whole tokens per program, or one head
+            for n_heads, qh, kh, warps in ((32, 32, 8, 4), (0, 1, 8, 1), (32, 1, 1, 1)):
                 compile_(
                     K._qk_norm_rope_kv_kernel,
                     dtype,
                     dict(slots_ptr="*i32", T="i32", eps="fp32"),
-                    dict(N_HEADS=n_heads, N_KV=8, QH_PAD=max(n_heads, 1), KV_PAD=8, HALF=64, BLOCK=64, HAS_NORM=norm),
-                    4,
+                    dict(N_HEADS=n_heads, N_KV=8, QH=qh, KH=kh, HALF=64, BLOCK=64, HAS_NORM=norm),
+                    warps,
                 )
         compile_(K._silu_mul_kernel, dtype, dict(inter="i32"), dict(BLOCK=1024), 4)
         for silu_mul in (False, True):
