@@ -339,7 +339,8 @@ def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -
     """The DDTree candidate step (each draft row's top-K log-probabilities) both ways, on bf16 draft
     logits of the Qwen3-8B vocabulary: the tensorised builder's fp32 log_softmax + top-k
     (tree.top_candidates), and the Triton builder's two ways (kernels.row_top_applies picks): top-k of
-    the logits as they are less kernels.row_logsumexp, and kernels.row_top_logprobs."""
+    the logits as they are less kernels.row_logsumexp, and kernels.row_top_logprobs (at each run length;
+    its default's among them)."""
     from ..speculative.tree import top_candidates
     from . import kernels
 
@@ -348,16 +349,20 @@ def tree_candidates_micro(device="cuda", vocab: int = 151936, depth: int = 15) -
         logits = torch.randn(batch, depth, vocab, device=device, dtype=torch.bfloat16) * 3
         for budget in (8, 32):
             kp = max(2, 1 << (budget - 1).bit_length())
-            runs = {g: partial(kernels.row_top_logprobs, logits, budget, group=g) for g in (1, 4, 8, 16, 32, 64)}
+            by_group = {
+                g: round(_device_ms(partial(kernels.row_top_logprobs, logits, budget, group=g)), 4)
+                for g in (1, 4, 8, 16, 32, 64)
+            }
+            group = kernels.row_top_group(4096, kp)  # row_top_logprobs' default at its default chunk
             rows.append(
                 {
                     "batch": batch,
                     "budget": budget,
                     "log_softmax_topk_ms": round(_device_ms(partial(top_candidates, logits, budget)), 4),
                     "topk_logsumexp_ms": round(_device_ms(partial(_topk_less_logsumexp, logits, budget)), 4),
-                    "row_top_logprobs_ms": round(_device_ms(partial(kernels.row_top_logprobs, logits, budget)), 4),
-                    "group": kernels.row_top_group(4096, kp),
-                    "row_top_logprobs_ms_by_group": {g: round(_device_ms(run), 4) for g, run in runs.items()},
+                    "row_top_logprobs_ms": by_group[group],
+                    "group": group,
+                    "row_top_logprobs_ms_by_group": by_group,
                 }
             )
             print(json.dumps(rows[-1]), flush=True)

@@ -1160,7 +1160,7 @@ def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, i
     return out.view(splits, *lead, n_out) if splits > 1 else out.view(*lead, n_out)
 
 
-def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int, num_warps: int | None = None):
+def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int):
     """DDTree's top-`budget` prefixes by the paper's best-first expansion, one program per sequence.
 
     top_lp / top_tok [bs, D, K]: each draft row's K most probable log-probabilities (descending) and
@@ -1170,7 +1170,7 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int,
     score -inf and see only themselves.
 
     The pops are serial, so each one's reductions are its latency: one warp (shuffles, no shared-memory
-    round trips) by default up to budget 32, where it took 0.017 ms for B=32 at batch 1 against 0.021
+    round trips) up to budget 32, where it took 0.017 ms for B=32 at batch 1 against 0.021
     with four warps on an H200 (2026-12-04; 0.033 before the reductions were packed)."""
     bs, depth, k = top_lp.shape
     n, dev = budget + 1, top_lp.device
@@ -1197,7 +1197,7 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int,
         B=budget,
         CAP=triton.next_power_of_2(2 * budget + 1),
         N_PAD=triton.next_power_of_2(n),
-        num_warps=num_warps or (1 if budget <= 32 else 4),
+        num_warps=1 if budget <= 32 else 4,
     )
     return tokens, parents, node_depth, valid.bool(), visible, scores
 
