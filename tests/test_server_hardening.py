@@ -212,6 +212,7 @@ def test_control_tokens_in_users_text_are_counted_as_text(server, tokenizer):
 
 
 def test_slow_idle_and_surplus_connections_are_closed(server):
+    before = metrics(server.url)
     # idle: no request at all
     assert closed_within(connect(server), 10) == pytest.approx(TIMEOUTS["keepalive"], abs=1.0)
     # headers a line at a time, never finished
@@ -246,6 +247,10 @@ def test_slow_idle_and_surplus_connections_are_closed(server):
         c.close()
     time.sleep(0.2)
     assert health_seconds(server) < 1.0
+    # the metrics counted the one refused and the one whose headers never came (not the idle one)
+    after = metrics(server.url)
+    for name in ("ddtree_connections_refused_total", "ddtree_connections_timed_out_total"):
+        assert total(after, name) - total(before, name) == 1, name
 
 
 # ---- fuzzing ---------------------------------------------------------------------------------------

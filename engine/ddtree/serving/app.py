@@ -721,7 +721,12 @@ async def serve_until_stopped(server: EngineServer) -> int:
     )
     await runner.setup()
     server.guard = ConnectionGuard(
-        runner.server, settings.max_connections, settings.header_timeout, settings.keepalive_timeout
+        runner.server,
+        settings.max_connections,
+        settings.header_timeout,
+        settings.keepalive_timeout,
+        refused=server.metrics.connections_refused.inc,
+        timed_out=server.metrics.connections_timed_out.inc,
     )
     try:
         listener = await server.loop.create_server(server.guard, host, port, backlog=1024)

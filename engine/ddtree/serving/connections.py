@@ -43,8 +43,12 @@ class ConnectionGuard:
         max_connections: int,
         header_timeout: float,
         keepalive_timeout: float,
+        refused: Callable[[], None] = lambda: None,
+        timed_out: Callable[[], None] = lambda: None,
     ):
-        """`factory`: aiohttp's protocol factory (`AppRunner.server`)."""
+        """`factory`: aiohttp's protocol factory (`AppRunner.server`); `refused` and `timed_out` are called
+        for each connection answered 503 and each closed for headers not received in time (the server's
+        metrics count them)."""
         self.factory = factory
         self.max_connections, self.header_timeout, self.keepalive_timeout = (
             max_connections,
@@ -52,8 +56,7 @@ class ConnectionGuard:
             keepalive_timeout,
         )
         self.open: dict[asyncio.BaseTransport, GuardedConnection] = {}
-        self.refused = 0
-        self.timed_out = 0
+        self.refused, self.timed_out = refused, timed_out
 
     def __call__(self) -> GuardedConnection:
         return GuardedConnection(self, self.factory())
@@ -86,7 +89,7 @@ class GuardedConnection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         if len(self.guard.open) >= self.guard.max_connections:
-            self.guard.refused += 1
+            self.guard.refused()
             transport.write(BUSY_RESPONSE)
             transport.close()
             return
@@ -111,7 +114,7 @@ class GuardedConnection(asyncio.Protocol):
             self._schedule(deadline - now)
             return
         if what is not None:
-            self.guard.timed_out += 1
+            self.guard.timed_out()
             log.info("closing a connection: %s within %.0f s", what, self.guard.header_timeout)
         self.transport.close()
 

@@ -126,6 +126,12 @@ class ServerMetrics:
             "response_format: tokens the target chose that its grammar refused, replaced by its best allowed token "
             "(each ends its round's accepted path there)",
         ).labels(model=model)
+        self.connections_refused = counter(
+            "ddtree_connections_refused", "Connections answered 503 and closed: max_connections were open"
+        ).labels(model=model)
+        self.connections_timed_out = counter(
+            "ddtree_connections_timed_out", "Connections closed because a request's headers did not arrive in time"
+        ).labels(model=model)
         self.kv_cache_usage_ratio = gauge(
             "ddtree_kv_cache_usage_ratio", "KV cache pages held by requests / pages in the pool"
         )
