@@ -699,7 +699,6 @@ class SpeculativeDeploymentSpec(_Model):
 # ---- status -------------------------------------------------------------------------------------
 
 Phase = Literal["Pending", "Loading", "Ready", "Degraded", "Failed"]
-CONDITION_TYPES = ("Ready", "Progressing", "SmokeTestPassed", "Degraded", "DrafterCanary")
 
 
 class Condition(_Model):

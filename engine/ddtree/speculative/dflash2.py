@@ -41,10 +41,6 @@ class DFlash2Config(DrafterConfig):
     selector_rank: int = 64  # rank of the selector's predecessor-successor term
     selector_top_k: int = 8  # candidates per draft position
 
-    @property
-    def conv_groups(self) -> int:
-        return self.hidden_size // self.conv_group_size
-
     def drafter_class(self) -> type[DFlashDrafter]:
         return DFlash2Drafter
 
