@@ -42,7 +42,7 @@
 #            DDTREE_AB_PAIRS times (default 2) into OUT_DIR/ab/; DDTREE_AB_BEFORE is a folder holding the older
 #            tree's engine/ (`git archive REV engine | tar -x -C DIR`); DDTREE_AB_FLAGS adds bench flags to
 #            both sides (e.g. "--policy 1:32,16:8", which the older tree must know). report.py prints old -> new
-#            per phase.
+#            per phase, and the kernels that moved most in each phase.
 #
 # DDTREE_SERVE_METHODS picks the methods of the serve and serve-8b parts (default "ar dflash ddtree").
 #

@@ -306,6 +306,41 @@ def ab_table(runs: dict[str, list[dict]]) -> str:
     return "old → new, the span of each side's runs:\n\n" + _table(header, table)
 
 
+def ab_kernels(runs: dict[str, list[dict]], top: int = 3, least_ms: float = 0.005) -> str:
+    """The `ab` part kernel by kernel: per configuration and phase, the `top` kernels whose mean time per
+    round moved most between the old and the new runs (by `least_ms` or more), each side's span of runs
+    ("—": the kernel did not run on that side, as when cuBLAS picks another GEMM)."""
+    rows: dict[tuple, dict[str, list[dict[str, float]]]] = {}
+    for run, rs in runs.items():
+        side = run.split("-")[0]
+        for r in rs:
+            if "replay_ms" not in r.get("graph_phases", {}):
+                continue
+            key = (r["method"], r["budget"], r["batch"], r.get("policy", ""))
+            for phase, ph in r["graph_phases"]["phases"].items():
+                kernels = {entry[0]: entry[1] for entry in ph["heaviest"]}  # [name, ms(, launches)]
+                rows.setdefault((*key, phase), {"old": [], "new": []})[side].append(kernels)
+    order = ["ar", "dflash", "ddtree"], ["draft", "tree", "verify", "walk", "commit"]
+    table = []
+    for key in sorted(rows, key=lambda k: (k[2], order[0].index(k[0]), k[3], k[1] or 0, order[1].index(k[4]))):
+        method, budget, batch, policy, phase = key
+        sides = rows[key]
+        if not sides["old"] or not sides["new"]:
+            continue
+        names = {name for side in sides.values() for kernels in side for name in kernels}
+        change = {
+            name: sum(k.get(name, 0.0) for k in sides["new"]) / len(sides["new"])
+            - sum(k.get(name, 0.0) for k in sides["old"]) / len(sides["old"])
+            for name in names
+        }
+        for name in sorted((n for n in names if abs(change[n]) >= least_ms), key=lambda n: -abs(change[n]))[:top]:
+            spans = [_span([k[name] for k in sides[side] if name in k], 3) for side in ("old", "new")]
+            config = f"`ddtree` B={budget}" if method == "ddtree" else f"`{method}`"
+            table.append([batch, config + (f" (`{policy}`)" if policy else ""), phase, f"`{name[:60]}`", *spans])
+    header = ["batch", "method", "phase", "kernel", "old ms", "new ms"]
+    return f"the kernels that moved most (up to {top} a phase, by {least_ms} ms or more):\n\n" + _table(header, table)
+
+
 def markdown(data: dict) -> str:
     """The tables of docs/benchmarks.md for this data."""
     out = []
@@ -423,6 +458,7 @@ def markdown(data: dict) -> str:
         )
     if "ab" in data:
         out.append(ab_table(data["ab"]))
+        out.append(ab_kernels(data["ab"]))
     return "\n\n".join(out) + "\n"
 
 

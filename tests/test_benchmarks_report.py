@@ -81,3 +81,28 @@ def test_the_before_and_after_runs_give_the_spans_on_the_page():
             for method in ("`dflash`", "`ddtree` B=8"):
                 cells = next(line for line in lines if line.startswith(f"| {method} | 16 |")).split(" | ")
                 assert cells[2] in page and cells[3] in page, (method, cells[2:4])
+
+
+def test_the_before_and_after_kernel_table_reads_each_runs_kernels():
+    """The `ab` part's kernel table: the q/k norm + RoPE kernel of the batch-16 B=32 verify, whose change
+    the qk-rope runs measured, with each side's span of its runs as their bench.json files hold it."""
+    folder = REPO / "benchmarks" / "results" / "2026-12-04-h200" / "qk-rope"
+    done = subprocess.run(
+        [sys.executable, str(REPORT), str(folder), "--markdown"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    kernel = "_qk_norm_rope_kv_kernel"
+    row = next(
+        line for line in done.stdout.splitlines() if line.startswith(f"| 16 | `ddtree` B=32 | verify | `{kernel}`")
+    )
+    spans = []
+    for side in ("old", "new"):
+        ms = []
+        for path in sorted(folder.glob(f"{side}-*/bench.json")):
+            for r in json.loads(path.read_text())["rows"]:
+                if (r["method"], r["budget"], r["batch"]) == ("ddtree", 32, 16):
+                    ms += [m for name, m, _ in r["graph_phases"]["phases"]["verify"]["heaviest"] if name == kernel]
+        assert len(ms) == 2
+        lo, hi = f"{min(ms):.3f}", f"{max(ms):.3f}"
+        spans.append(lo if lo == hi else f"{lo}–{hi}")
+    assert row.removesuffix(" |").split(" | ")[4:6] == spans, (row, spans)
