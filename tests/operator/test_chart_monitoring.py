@@ -158,5 +158,7 @@ def test_dashboard_panels_cover_the_serving_picture(expressions):
         "ddtree_spec_decode_forecast_accepted_tokens_total",
         "ddtree_smoke_test_passed",
         "ddtree_load",
+        "ddtree_connections_refused_total",
+        "ddtree_connections_timed_out_total",
     ]:
         assert metric in selected, metric
