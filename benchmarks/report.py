@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+METHODS = ("ar", "dflash", "ddtree")  # the tables' and charts' order
 METHOD_COLOURS = {"ar": "#555555", "dflash": "#1f77b4", "ddtree": "#d62728"}
 
 
@@ -28,7 +29,7 @@ def load(results: Path) -> dict:
         if path.is_file():
             data[part] = json.loads(path.read_text())
     serve = {}
-    for method in ("ar", "dflash", "ddtree"):
+    for method in METHODS:
         path = results / "serve" / f"{method}.jsonl"
         if path.is_file() and path.stat().st_size:
             serve[method] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -134,7 +135,7 @@ def chart_tokens_by_batch(data: dict, path: Path) -> bool:
         return False
     rows = timed_rows(data["smollm2"])
     plt, fig, ax = _figure()
-    for method in ("ar", "dflash", "ddtree"):
+    for method in METHODS:
         best = best_by_batch(rows, method)
         if not best:
             continue
@@ -260,6 +261,15 @@ def _span(values: list[float], digits: int) -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
+PHASES = ("draft", "tree", "verify", "walk", "commit")
+
+
+def config_name(method: str, budget: int, policy: str = "") -> str:
+    """A round configuration as the tables name it: `ddtree` B=8 (`1:32,16:8`)."""
+    name = f"`ddtree` B={budget}" if method == "ddtree" else f"`{method}`"
+    return name + (f" (`{policy}`)" if policy else "")
+
+
 def ab_table(runs: dict[str, list[dict]]) -> str:
     """The `ab` part: per configuration, the old runs' span → the new runs' span of the graph replay (ms),
     of the replay against the same run's `ar` replay at that batch size, and of each phase's kernel ms.
@@ -274,9 +284,8 @@ def ab_table(runs: dict[str, list[dict]]) -> str:
     }
     configs = sorted(
         {key for rs in rows.values() for key in rs},
-        key=lambda k: (k[2], ["ar", "dflash", "ddtree"].index(k[0]), k[3], k[1] or 0),
+        key=lambda k: (k[2], METHODS.index(k[0]), k[3], k[1] or 0),
     )
-    phases = ("draft", "tree", "verify", "walk", "commit")
 
     def values(side: str, key: tuple, measure: str) -> list[float]:
         out = []
@@ -297,12 +306,11 @@ def ab_table(runs: dict[str, list[dict]]) -> str:
     for key in configs:
         method, budget, batch, policy = key
         cells = []
-        for measure in ("replay", "vs ar", *phases):
-            digits = 3 if measure in phases else 2
+        for measure in ("replay", "vs ar", *PHASES):
+            digits = 3 if measure in PHASES else 2
             cells.append(" → ".join(_span(values(side, key, measure), digits) for side in ("old", "new")))
-        name = f"`ddtree` B={budget}" if method == "ddtree" else f"`{method}`"
-        table.append([name + (f" (`{policy}`)" if policy else ""), batch, *cells])
-    header = ["method", "batch", "replay ms", "× `ar`", *(f"{p} kernel ms" for p in phases)]
+        table.append([config_name(method, budget, policy), batch, *cells])
+    header = ["method", "batch", "replay ms", "× `ar`", *(f"{p} kernel ms" for p in PHASES)]
     return "old → new, the span of each side's runs:\n\n" + _table(header, table)
 
 
@@ -320,9 +328,8 @@ def ab_kernels(runs: dict[str, list[dict]], top: int = 3, least_ms: float = 0.00
             for phase, ph in r["graph_phases"]["phases"].items():
                 kernels = {entry[0]: entry[1] for entry in ph["heaviest"]}  # [name, ms(, launches)]
                 rows.setdefault((*key, phase), {"old": [], "new": []})[side].append(kernels)
-    order = ["ar", "dflash", "ddtree"], ["draft", "tree", "verify", "walk", "commit"]
     table = []
-    for key in sorted(rows, key=lambda k: (k[2], order[0].index(k[0]), k[3], k[1] or 0, order[1].index(k[4]))):
+    for key in sorted(rows, key=lambda k: (k[2], METHODS.index(k[0]), k[3], k[1] or 0, PHASES.index(k[4]))):
         method, budget, batch, policy, phase = key
         sides = rows[key]
         if not sides["old"] or not sides["new"]:
@@ -335,8 +342,7 @@ def ab_kernels(runs: dict[str, list[dict]], top: int = 3, least_ms: float = 0.00
         }
         for name in sorted((n for n in names if abs(change[n]) >= least_ms), key=lambda n: -abs(change[n]))[:top]:
             spans = [_span([k[name] for k in sides[side] if name in k], 3) for side in ("old", "new")]
-            config = f"`ddtree` B={budget}" if method == "ddtree" else f"`{method}`"
-            table.append([batch, config + (f" (`{policy}`)" if policy else ""), phase, f"`{name[:60]}`", *spans])
+            table.append([batch, config_name(method, budget, policy), phase, f"`{name[:60]}`", *spans])
     header = ["batch", "method", "phase", "kernel", "old ms", "new ms"]
     return f"the kernels that moved most (up to {top} a phase, by {least_ms} ms or more):\n\n" + _table(header, table)
 
@@ -370,12 +376,12 @@ def markdown(data: dict) -> str:
         batches = sorted({r["batch"] for r in rows})
         configs = sorted(
             {(r["method"], r["budget"]) for r in rows},
-            key=lambda mb: (["ar", "dflash", "ddtree"].index(mb[0]), mb[1] or 0),
+            key=lambda mb: (METHODS.index(mb[0]), mb[1] or 0),
         )
         by = {(r["method"], r["budget"], r["batch"]): r for r in rows}
         table = []
         for method, budget in configs:
-            name = f"`ddtree` B={budget}" if method == "ddtree" else f"`{method}`"
+            name = config_name(method, budget)
             cells = []
             for b in batches:
                 r = by.get((method, budget, b))
