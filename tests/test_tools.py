@@ -533,6 +533,26 @@ def test_kimi_k2_tool_calls_keep_their_special_token_markers(tokenizer, serve):
     assert [c.id for c in final.choices[0].message.tool_calls] == ["functions.get_weather:0"]
 
 
+def test_each_of_n_choices_reads_its_own_tool_calls_whole_and_streamed(tokenizer, serve):
+    server = serve(with_template(tokenizer, HERMES_TEMPLATE))
+    outputs = ["Let me look. " + hermes_call("get_weather", {"city": "Paris"}), "No tool needed."]
+    request = {"model": "scripted", "messages": ASK, "tools": [WEATHER], "temperature": 0, "n": 2}
+    for streamed in (False, True):
+        for output in outputs:  # the scheduler admits choice 0 first
+            server.script(output)
+        if streamed:
+            final, _ = accumulate(server.client.chat.completions.create(**request, stream=True))
+        else:
+            final = server.client.chat.completions.create(**request)
+        first, second = final.choices
+        assert (first.index, first.finish_reason, first.message.content) == (0, "tool_calls", "Let me look.")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in first.message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        assert (second.index, second.finish_reason, second.message.content) == (1, "stop", "No tool needed.")
+        assert not second.message.tool_calls
+
+
 def test_without_tool_parsing_the_text_is_content(tokenizer, serve):
     import openai
 

@@ -503,7 +503,6 @@ class EngineServer:
                     "response_format",
                 )
             grammar = grammar or calls
-        constraint = await self.prepare(self.grammars.constraint, grammar) if grammar is not None else None
         limit = self.config.serving.seq_len
         if len(prompt) >= limit:
             raise bad_request(
@@ -519,6 +518,12 @@ class EngineServer:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
                 "max_tokens",
             )
+        if s.n > self.scheduler.capacity:
+            raise bad_request(
+                f"'n' is {s.n}; this server holds at most {self.scheduler.capacity} requests at once "
+                f"({self.engine.max_batch_size} running, {self.scheduler.max_waiting} waiting)",
+                "n",
+            )
         params = SamplingParams(
             max_new_tokens=max_tokens,
             temperature=s.temperature,
@@ -531,18 +536,25 @@ class EngineServer:
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 
+        # one scheduler request per choice; each event reaches the queue as (choice index, event)
         queue: asyncio.Queue = asyncio.Queue()
-        req = Request(
-            prompt,
-            params,
-            s.stop,
-            functools.partial(self.relay.put, asyncio.get_running_loop(), queue),  # called on the engine thread
-            skip_special_tokens=not (reads_calls and self.tool_markers_special),
-            logprobs=s.logprobs,
-            constraint=constraint,
-        )
+        loop = asyncio.get_running_loop()
+        reqs = []
+        for i in range(s.n):
+            constraint = await self.prepare(self.grammars.constraint, grammar) if grammar is not None else None
+            reqs.append(
+                Request(
+                    prompt,
+                    params if i == 0 else replace(params, seed=None),  # a seed reseeds once
+                    s.stop,
+                    functools.partial(self._choice_event, loop, queue, i),  # called on the engine thread
+                    skip_special_tokens=not (reads_calls and self.tool_markers_special),
+                    logprobs=s.logprobs,
+                    constraint=constraint,
+                )
+            )
         try:
-            self.scheduler.submit(req)
+            self.scheduler.submit(*reqs)
         except QueueFull as exc:
             raise APIError(429, str(exc), code="queue_full") from None
         except NotRunning as exc:
@@ -551,11 +563,15 @@ class EngineServer:
         try:
             calls = tools if reads_calls else None
             if s.stream:
-                return await self._stream(request, req, queue, rid, chat, s.include_usage, calls)
-            return await self._collect(req, queue, rid, chat, calls)
+                return await self._stream(request, reqs, queue, rid, chat, s.include_usage, calls)
+            return await self._collect(reqs, queue, rid, chat, calls)
         finally:
-            if req.finish_reason is None:
-                self.scheduler.cancel(req)
+            for req in reqs:
+                if req.finish_reason is None:
+                    self.scheduler.cancel(req)
+
+    def _choice_event(self, loop, queue: asyncio.Queue, index: int, event) -> None:
+        self.relay.put(loop, queue, (index, event))
 
     def _prepare_chat(self, body: dict) -> tuple[list[int], ToolRequest]:
         """Token ids and tool request of a chat body (on the preparation thread)."""
@@ -571,80 +587,78 @@ class EngineServer:
             )
         return self.prompts.chat(body, tools.rendered), tools
 
-    def _usage(self, req, completion_tokens: int) -> dict:
-        p = len(req.prompt_ids)
+    @staticmethod
+    def _usage(reqs, completion_tokens: int) -> dict:
+        """The prompt counts once however many choices share it (as in OpenAI's API)."""
+        p = len(reqs[0].prompt_ids)
         return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
-    async def _collect(self, req, queue, rid: str, chat: bool, tools: ToolRequest | None = None):
-        """The whole response; `tools`: the request's, when tool calls are read from the text."""
+    async def _collect(self, reqs, queue, rid: str, chat: bool, tools: ToolRequest | None = None):
+        """The whole response, a choice per request of `reqs`; `tools`: the request's, when tool calls are
+        read from the text."""
         from aiohttp import web
 
         from .tools import split_tool_calls
 
-        parts: list[str] = []
-        entries: list = []  # TokenLogprob
-        while True:
-            ev = await queue.get()
+        parts: list[list[str]] = [[] for _ in reqs]
+        entries: list[list] = [[] for _ in reqs]  # TokenLogprob
+        finishes: list[str | None] = [None] * len(reqs)
+        completion_tokens = 0
+        while None in finishes:
+            i, ev = await queue.get()
             if ev.error is not None:
                 raise APIError(ev.error_status, ev.error)
-            parts.append(ev.text)
-            entries += ev.logprobs or []
+            parts[i].append(ev.text)
+            entries[i] += ev.logprobs or []
             if ev.finish_reason is not None:
-                break
-        text = "".join(parts)
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = chat_logprobs(entries) if chat else completion_logprobs(entries, 0)
-        finish = ev.finish_reason
-        if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if tools is not None:
-                message["content"], calls = split_tool_calls(self.tool_format, text, tools.parallel)
-                if calls:
-                    message["tool_calls"] = [call.to_json() for call in calls]
-                    finish = "tool_calls" if finish == "stop" else finish
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                finishes[i] = ev.finish_reason
+                completion_tokens += ev.completion_tokens
+        choices = []
+        for i, finish in enumerate(finishes):
+            text = "".join(parts[i])
+            logprobs = None
+            if reqs[i].logprobs is not None:
+                logprobs = chat_logprobs(entries[i]) if chat else completion_logprobs(entries[i], 0)
+            if chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if tools is not None:
+                    message["content"], calls = split_tool_calls(self.tool_format, text, tools.parallel)
+                    if calls:
+                        message["tool_calls"] = [call.to_json() for call in calls]
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
         return web.json_response(
             {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
                 "model": self.name,
-                "choices": [choice],
-                "usage": self._usage(req, ev.completion_tokens),
+                "choices": choices,
+                "usage": self._usage(reqs, completion_tokens),
             }
         )
 
     async def _stream(
-        self, request, req, queue, rid: str, chat: bool, include_usage: bool, tools: ToolRequest | None = None
+        self, request, reqs, queue, rid: str, chat: bool, include_usage: bool, tools: ToolRequest | None = None
     ):
-        """Server-sent events; `tools`: the request's, when tool calls are read from the text (content
-        streams as it comes, each call as `tool_calls` deltas once it is complete)."""
+        """Server-sent events, each chunk one choice's (a choice per request of `reqs`); `tools`: the
+        request's, when tool calls are read from the text (content streams as it comes, each call as
+        `tool_calls` deltas once it is complete)."""
         from aiohttp import web
 
-        from .tools import ToolCallSplitter, tool_call_deltas
+        from .tools import ToolCallSplitter
 
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        splitter = ToolCallSplitter(self.tool_format, tools.parallel) if tools is not None else None
-        pending: list = []  # log-probabilities of tokens no chunk has carried yet
-        offset = 0  # completions: characters of the completion the chunks' log-probabilities covered
 
-        def chunk(text: str | None, finish: str | None = None, delta: dict | None = None) -> dict:
-            nonlocal offset
-            logprobs = None
-            if pending:
-                logprobs = chat_logprobs(pending) if chat else completion_logprobs(pending, offset)
-                offset += sum(len(e.token) for e in pending)
-                pending.clear()
-            if chat:
-                if delta is None:
-                    delta = {"content": text} if text else {}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        def splitter():
+            return ToolCallSplitter(self.tool_format, tools.parallel) if tools is not None else None
+
+        choices = [_StreamedChoice(i, chat, splitter()) for i in range(len(reqs))]
+
+        def chunk(choice: dict) -> dict:
             out = {"id": rid, "object": obj, "created": created, "model": self.name, "choices": [choice]}
             if include_usage:
                 out["usage"] = None
@@ -659,48 +673,81 @@ class EngineServer:
                 await resp.write(b"data: " + json.dumps(obj_, ensure_ascii=False).encode() + b"\n\n")
 
             if chat:
-                await send(chunk(None, delta={"role": "assistant", "content": ""}))
-            while True:
-                ev = await queue.get()
+                for choice in choices:
+                    await send(chunk(choice.delta(None, delta={"role": "assistant", "content": ""})))
+            unfinished, completion_tokens = len(choices), 0
+            while unfinished:
+                i, ev = await queue.get()
                 if ev.error is not None:
                     request["ddtree_status"] = ev.error_status
                     await send(APIError(ev.error_status, ev.error).body())
                     break
-                finish = ev.finish_reason
-                pending.extend(ev.logprobs or [])
-                if splitter is None:
-                    if ev.text:
-                        await send(chunk(ev.text))
-                else:
-                    sent = len(splitter.calls)
-                    for item in splitter.feed(ev.text, final=finish is not None):
-                        if isinstance(item, str):
-                            await send(chunk(item))
-                            continue
-                        for delta in tool_call_deltas(sent, item):
-                            await send(chunk(None, delta=delta))
-                        sent += 1
-                    if splitter.calls and finish == "stop":
-                        finish = "tool_calls"
-                if finish is not None:
-                    await send(chunk(None, finish))
-                    if include_usage:
-                        await send(
-                            {
-                                "id": rid,
-                                "object": obj,
-                                "created": created,
-                                "model": self.name,
-                                "choices": [],
-                                "usage": self._usage(req, ev.completion_tokens),
-                            }
-                        )
-                    break
+                for item in choices[i].feed(ev):
+                    await send(chunk(item))
+                if ev.finish_reason is not None:
+                    unfinished -= 1
+                    completion_tokens += ev.completion_tokens
+            else:
+                if include_usage:
+                    await send(
+                        {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": self.name,
+                            "choices": [],
+                            "usage": self._usage(reqs, completion_tokens),
+                        }
+                    )
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        except ConnectionError:  # the client went away mid-stream; the caller frees its engine row
+        except ConnectionError:  # the client went away mid-stream; the caller frees its engine rows
             request["ddtree_status"] = 499
         return resp
+
+
+class _StreamedChoice:
+    """One choice of a streamed response: its log-probabilities not yet sent, its text offset
+    (completions), its tool-call splitter; `feed` turns its events into chunk choices."""
+
+    def __init__(self, index: int, chat: bool, splitter):
+        self.index, self.chat, self.splitter = index, chat, splitter
+        self.pending: list = []  # log-probabilities of tokens no chunk has carried yet
+        self.offset = 0  # completions: characters of the completion the chunks' log-probabilities covered
+
+    def delta(self, text: str | None, finish: str | None = None, delta: dict | None = None) -> dict:
+        logprobs = None
+        if self.pending:
+            logprobs = chat_logprobs(self.pending) if self.chat else completion_logprobs(self.pending, self.offset)
+            self.offset += sum(len(e.token) for e in self.pending)
+            self.pending.clear()
+        if self.chat:
+            if delta is None:
+                delta = {"content": text} if text else {}
+            return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+
+    def feed(self, ev):
+        from .tools import tool_call_deltas
+
+        finish = ev.finish_reason
+        self.pending.extend(ev.logprobs or [])
+        if self.splitter is None:
+            if ev.text:
+                yield self.delta(ev.text)
+        else:
+            sent = len(self.splitter.calls)
+            for item in self.splitter.feed(ev.text, final=finish is not None):
+                if isinstance(item, str):
+                    yield self.delta(item)
+                    continue
+                for delta in tool_call_deltas(sent, item):
+                    yield self.delta(None, delta=delta)
+                sent += 1
+            if self.splitter.calls and finish == "stop":
+                finish = "tool_calls"
+        if finish is not None:
+            yield self.delta(None, finish)
 
 
 async def serve_until_stopped(server: EngineServer) -> int:

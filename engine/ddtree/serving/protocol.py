@@ -10,6 +10,7 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 MAX_STOP_CHARS = 1024
+MAX_CHOICES = 128  # `n`: OpenAI's limit
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
@@ -128,9 +129,9 @@ class Sampling:
         self.seed = get_int(body, "seed")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise bad_request(f"'seed' must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]", "seed")
-        n = get_int(body, "n", 1)
-        if n != 1:
-            raise bad_request(f"only n=1 is supported, got n={n}", "n")
+        self.n = get_int(body, "n", 1)
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise bad_request(f"'n' must be in 1..{MAX_CHOICES}, got {self.n}", "n")
         stop = body.get("stop")
         if stop is None:
             stop = []

@@ -186,16 +186,22 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, req: Request) -> None:
+    @property
+    def capacity(self) -> int:
+        """Requests this scheduler holds at most: a row each, and the waiting queue."""
+        return self.engine.max_batch_size + self.max_waiting
+
+    def submit(self, *reqs: Request) -> None:
+        """Queue `reqs` (the choices of one API request: all of them or none)."""
         with self._cv:
             if self._stopping or self._thread is None or not self._thread.is_alive():
                 raise NotRunning("the engine is not running")
-            if len(self._waiting) >= self.max_waiting + self._free:
+            if len(self._waiting) + len(reqs) > self.max_waiting + self._free:
                 raise QueueFull(  # clients have always read "slots" here: the engine's rows
                     f"{len(self._waiting)} requests are already waiting for one of "
                     f"{self.engine.max_batch_size} slots; retry later"
                 )
-            self._waiting.append(req)
+            self._waiting.extend(reqs)
             self.metrics.requests_waiting.set(len(self._waiting))
             self._set_load()
             self._cv.notify_all()
