@@ -5,6 +5,7 @@ import openai
 import pytest
 import torch
 
+from ddtree.models.random import ByteTokenizer
 from ddtree.runtime.engine import Engine, SamplingParams
 from ddtree.speculative.drafter import DFlashDrafter
 from in_process_server import InProcessServer
@@ -67,7 +68,6 @@ def test_token_logprobs_are_the_targets_distribution_at_each_emitted_token(tiny_
 @pytest.fixture
 def server(tiny_target):
     """The server over a real engine of the tiny model (byte tokenizer), keeping log-probabilities."""
-    from ddtree.models.random import ByteTokenizer
 
     engine = Engine(tiny_target, None, "ar", max_batch_size=2, max_seq_len=64, logprobs=True)
     served = InProcessServer(engine, ByteTokenizer(tiny_target.config.vocab_size), {"max_seq_len": 64})
@@ -103,3 +103,50 @@ def test_logprob_requests_the_server_cannot_honour_are_refused(server):
         server.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, top_logprobs=2
         )
+
+
+def test_token_bytes_rebuild_characters_split_across_tokens():
+    """SmolLM2's byte-level BPE splits emoji and CJK characters over tokens: each token's bytes (from the
+    vocabulary, not its text decoded alone) join to the text the tokenizer encoded."""
+    from transformers import AutoTokenizer
+
+    from ddtree.models.checkpoint import resolve_model
+    from ddtree.serving.grammar import llguidance_tokenizer
+    from ddtree.serving.token_bytes import TextOffsets, TokenBytes
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    token_bytes = TokenBytes(tokenizer, lambda: llguidance_tokenizer(tokenizer, len(tokenizer), None))
+    text = "日本の首都は東京です 😀👏 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    names = [token_bytes.name(t) for t in ids]
+    assert b"".join(data for _, data in names) == text.encode()
+    partial = [name for name, data in names if name.startswith("bytes:")]
+    assert partial, "some tokens hold part of a character"
+    assert all(name == "bytes:" + "".join(f"\\x{b:02x}" for b in data) for name, data in names if name in partial)
+    assert len({name for name, _ in names}) > len({tokenizer.decode([t]) for t in ids}), "decoded alone they collide"
+    offsets = TextOffsets(token_bytes, skip_special_tokens=True)
+    assert sum(offsets.chars(t, data) for t, (_, data) in zip(ids, names)) == len(text)
+    eos = tokenizer.eos_token_id
+    assert token_bytes.name(eos)[0] == tokenizer.eos_token and offsets.chars(eos, token_bytes(eos)) == 0
+
+
+def test_logprobs_bytes_and_offsets_follow_the_text_over_partial_characters():
+    """A tiny model whose 256 tokens are single bytes: what it writes is full of partial characters."""
+    from tiny_models import random_target
+
+    target = random_target(vocab=256, seed=3)
+    engine = Engine(target, None, "ar", max_batch_size=1, max_seq_len=64, logprobs=True)
+    served = InProcessServer(engine, ByteTokenizer(256), {"max_seq_len": 64})
+    request = {"model": "tiny", "prompt": "héllo 😀", "max_tokens": 24, "temperature": 0}
+    try:
+        whole = served.client().completions.create(**request, logprobs=3)
+    finally:
+        served.close()
+    lp, text = whole.choices[0].logprobs, whole.choices[0].text
+    assert any(t.startswith("bytes:") for t in lp.tokens), "the greedy answer holds partial characters"
+    raw = b"".join(bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else t.encode() for t in lp.tokens)
+    assert raw.decode("utf-8", "replace") == text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    assert all(len(top) == 3 for top in lp.top_logprobs), "distinct bytes, distinct keys"
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):  # greedy: the chosen token is the most likely
+        assert logprob == pytest.approx(max(top.values()), abs=1e-5)

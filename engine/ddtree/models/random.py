@@ -213,6 +213,9 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([int(token) % 256])
+
 
 def write_random_checkpoint(shape: str, folder, device, dtype, shard_bytes: int = 4 << 30) -> int:
     """`random:SHAPE`'s weights written as a Hugging Face folder (config.json, safetensors shards of about

@@ -227,6 +227,7 @@ class EngineServer:
         from .grammar import Grammars
         from .prompts import PromptEncoder
         from .scheduler import Scheduler
+        from .token_bytes import TokenBytes
         from .tools import tool_call_format
 
         serving = self.config.serving
@@ -239,13 +240,15 @@ class EngineServer:
             set(self.tool_format.markers) & set(self.prompts.control)
         )
         # decoding happens on the engine thread: give it its own tokenizer instance
+        decoding = copy.deepcopy(tokenizer)
         self.scheduler = Scheduler(
             engine,
-            copy.deepcopy(tokenizer),
+            decoding,
             self.metrics,
             serving.waiting_limit,
             serving.prefix_cache,
             flush=self.relay.flush,
+            token_bytes=TokenBytes(decoding, self.grammars.ll_tokenizer),
         )
         compiles.on_compile(self._kernel_compiled)
         self.scheduler.start()
@@ -719,7 +722,7 @@ class _StreamedChoice:
         logprobs = None
         if self.pending:
             logprobs = chat_logprobs(self.pending) if self.chat else completion_logprobs(self.pending, self.offset)
-            self.offset += sum(len(e.token) for e in self.pending)
+            self.offset += sum(e.chars for e in self.pending)
             self.pending.clear()
         if self.chat:
             if delta is None:

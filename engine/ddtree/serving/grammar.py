@@ -139,7 +139,8 @@ class Grammars:
         """The model's vocabulary size (read when a grammar first needs it)."""
         return self.engine.target.config.vocab_size
 
-    def _llguidance_tokenizer(self):
+    def ll_tokenizer(self):
+        """llguidance's tokenizer of the model (made once; any thread); 400 for tokenizers it cannot read."""
         with self._lock:
             if self._ll is None:
                 self._ll = llguidance_tokenizer(self.tokenizer, self.vocab, list(self.stop_token_ids) or None)
@@ -154,7 +155,7 @@ class Grammars:
             if pristine is not None:
                 self._compiled.move_to_end(grammar)
         if pristine is None:
-            pristine = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+            pristine = LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
             if pristine.is_error():
                 raise bad_request(f"'response_format' does not compile: {pristine.get_error()}", "response_format")
             with self._lock:

@@ -185,10 +185,15 @@ def requested_logprobs(body: dict, chat: bool, max_logprobs: int) -> int | None:
 def chat_logprobs(entries) -> dict:
     """OpenAI's chat `logprobs` object of scheduler TokenLogprob entries."""
 
-    def one(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "surrogatepass"))}
+    def one(token: str, data: bytes, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(data)}
 
-    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries]}
+    return {
+        "content": [
+            {**one(e.token, e.raw_bytes, e.logprob), "top_logprobs": [one(*alternative) for alternative in e.top]}
+            for e in entries
+        ]
+    }
 
 
 def completion_logprobs(entries, offset: int) -> dict:
@@ -197,11 +202,11 @@ def completion_logprobs(entries, offset: int) -> dict:
     offsets = []
     for e in entries:
         offsets.append(offset)
-        offset += len(e.token)
+        offset += e.chars
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [dict(e.top) for e in entries],
+        "top_logprobs": [{token: v for token, _, v in e.top} for e in entries],
         "text_offset": offsets,
     }
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from ..runtime.constrained import Constraint, constrain
 from ..runtime.engine import SamplingParams
 from .detokenizer import IncrementalDetokenizer
+from .token_bytes import TextOffsets, TokenBytes
 
 log = logging.getLogger("ddtree.scheduler")
 
@@ -71,11 +72,14 @@ class Event:
 
 @dataclass
 class TokenLogprob:
-    """A completion token's text and log-probability, with the most likely tokens at its position."""
+    """A completion token's name (token_bytes.TokenBytes.name), bytes and log-probability, with the most
+    likely tokens at its position, and the characters it adds to the completion's text."""
 
     token: str
+    raw_bytes: bytes
     logprob: float
-    top: list[tuple[str, float]]
+    top: list[tuple[str, bytes, float]]
+    chars: int
 
 
 _ids = itertools.count()
@@ -100,6 +104,7 @@ class Request:
         self.constraint = constraint
         self.logprobs = logprobs
         self.pending_logprobs: list[TokenLogprob] = []  # of the tokens being delivered
+        self.text_offsets: TextOffsets | None = None  # with logprobs: the characters each token adds
         self.skip_special_tokens = skip_special_tokens
         self.prompt_ids = prompt_ids
         self.params = params
@@ -150,8 +155,10 @@ class Scheduler:
         max_waiting: int = 32,
         prefix_cache: bool = True,
         flush: Callable[[], None] = lambda: None,
+        token_bytes: TokenBytes | None = None,
     ):
         self.engine = engine
+        self.token_bytes = token_bytes or TokenBytes(tokenizer)  # log-probabilities' token bytes
         # called after each batch of sink calls (the prefill's first tokens, a round's text, failures): the
         # server's sinks keep events until then (relay.EventRelay)
         self.flush = flush
@@ -445,9 +452,13 @@ class Scheduler:
         them), for requests that asked; tokens past max_tokens are cut with them in _deliver."""
         if req.logprobs is None or not toks:
             return
-        decode = self.tokenizer.decode
+        name = self.token_bytes.name
+        if req.text_offsets is None:
+            req.text_offsets = TextOffsets(self.token_bytes, req.skip_special_tokens)
         for t, (lp, top) in zip(toks, self.engine.token_logprobs(row, toks, req.logprobs)):
-            req.pending_logprobs.append(TokenLogprob(decode([t]), lp, [(decode([i]), v) for i, v in top]))
+            token, data = name(t)
+            alternatives = [(*name(i), v) for i, v in top]
+            req.pending_logprobs.append(TokenLogprob(token, data, lp, alternatives, req.text_offsets.chars(t, data)))
 
     def _append_text(self, req: Request, piece: str) -> bool:
         """Add decoded text; True when a stop string completed (the text is then cut before it)."""
