@@ -1,6 +1,7 @@
 """Sampling at T > 0 is lossless: DDTree emits the same distribution as plain sampling."""
 
 import collections
+import math
 
 import pytest
 import torch
@@ -48,7 +49,10 @@ def emitted_pairs(engine, rounds, seed0, params_kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params_kw", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.8}])
+@pytest.mark.parametrize(
+    "params_kw",
+    [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.8}, {"temperature": 1.0, "top_k": 4, "min_p": 0.05}],
+)
 def test_ddtree_sampling_matches_ar(params_kw):
     target = random_target(vocab=8, hidden=32, layers=2, seed=1, scale=0.25)
     drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=4), seed=2)
@@ -81,3 +85,75 @@ def test_same_seed_same_output():
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=42)
     first = [r.token_ids for r in eng.generate([[1, 2]] * 4, sp)]
     assert [r.token_ids for r in eng.generate([[1, 2]] * 4, sp)] == first
+
+
+def reference_log_probs(model, text: list[int]) -> torch.Tensor:
+    """log_softmax of a plain causal forward over `text`: row i is the distribution of token i + 1."""
+    n = len(text)
+    j = torch.arange(n)
+    model.setup_caches(max_batch=1, max_slots=n + 1)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([text]), j[None], j[None], (j[:, None] >= j[None, :])[None, None])
+    return logits[0].float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_top_k_and_min_p_bound_every_sampled_token(method):
+    target = random_target(vocab=32, hidden=32, layers=2, seed=1, scale=0.25)
+    drafter = init_drafter(DrafterConfig.for_target(target.config, block_size=4), seed=2) if method != "ar" else None
+    eng = Engine(target, drafter, method, 12 if drafter else None, max_batch_size=4, max_seq_len=48)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    greedy = [r.token_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=16))]
+    # one candidate left: any temperature is greedy
+    for only_one in ({"top_k": 1}, {"min_p": 1.0}):
+        hot = SamplingParams(max_new_tokens=16, temperature=2.0, seed=3, **only_one)
+        assert [r.token_ids for r in eng.generate(prompts, hot)] == greedy, only_one
+    # at T = 1.5: every token among the 3 most probable, or with at least 0.2 of the top one's probability
+    # (after temperature), under the target's own distribution at its position; unfiltered, some are not
+    misses = {}
+    for name, extra in (("free", {}), ("top_k", {"top_k": 3}), ("min_p", {"min_p": 0.2})):
+        params = SamplingParams(max_new_tokens=16, temperature=1.5, seed=4, **extra)
+        outside_k = below_p = 0
+        for prompt, result in zip(prompts, eng.generate(prompts, params)):
+            ref = reference_log_probs(target, prompt + result.token_ids)
+            for k, token in enumerate(result.token_ids):
+                row = ref[len(prompt) - 1 + k]
+                outside_k += token not in row.topk(3).indices.tolist()
+                below_p += bool((row[token] - row.max()) / 1.5 < math.log(0.2) - 1e-4)
+        misses[name] = (outside_k, below_p)
+    assert misses["top_k"][0] == 0 and misses["min_p"][1] == 0, misses
+    assert misses["free"][0] > 0 and misses["free"][1] > 0, f"the filters must bind here: {misses}"
+
+
+def test_sampling_fields_through_the_server(tiny_target):
+    """top_k and min_p (vLLM's extensions) reach the engine; fields the server cannot honour are refused."""
+    import openai
+
+    from ddtree.models.random import ByteTokenizer
+    from in_process_server import InProcessServer
+
+    engine = Engine(tiny_target, None, "ar", max_batch_size=2, max_seq_len=64)
+    served = InProcessServer(engine, ByteTokenizer(tiny_target.config.vocab_size), {"max_seq_len": 64})
+    client = served.client()
+    try:
+        request = {"model": "tiny", "prompt": "hello", "max_tokens": 12}
+        greedy = client.completions.create(**request, temperature=0).choices[0].text
+        for one in ({"top_k": 1}, {"min_p": 1.0}):
+            assert client.completions.create(**request, temperature=2, seed=1, extra_body=one).choices[0].text == greedy
+        for bad, message in [
+            ({"top_k": -2}, "'top_k' must be -1, 0"),
+            ({"top_k": 1.5}, "'top_k' must be an integer"),
+            ({"min_p": 1.5}, "'min_p' must be in"),
+            ({"repetition_penalty": 1.2}, "'repetition_penalty' is not supported"),
+            ({"stop_token_ids": [3]}, "'stop_token_ids' is not supported"),
+            ({"guided_json": {"type": "object"}}, "send 'response_format'"),
+        ]:
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.completions.create(**request, extra_body=bad)
+        with pytest.raises(openai.BadRequestError, match="outside the vocabulary") as info:
+            client.completions.create(model="tiny", prompt=[1, 2, 10**6], max_tokens=2)
+        assert info.value.body["param"] == "prompt"
+        neutral = {"top_k": -1, "min_p": 0, "repetition_penalty": 1.0, "stop_token_ids": [], "min_tokens": 0}
+        assert client.completions.create(**request, temperature=0, extra_body=neutral).choices[0].text == greedy
+    finally:
+        served.close()

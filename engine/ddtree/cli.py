@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(g)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most probable tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the most probable one")
     g.add_argument("--seed", type=int)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--max-seq-len", type=int, default=UNSET, help="KV cache length (default: prompt + max new tokens)")

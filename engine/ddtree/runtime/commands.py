@@ -23,8 +23,8 @@ def cmd_generate(args) -> int:
     config = EngineConfig.from_args(args, GENERATE_FLAGS)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p <= 1:
+        raise UsageError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1]")
     config = config.resolve()
     device_type = config.model.device.split(":")[0]
     tp = config.parallel.tensor_parallel
@@ -83,6 +83,8 @@ def generate_on_rank(rank: int, world: int, config: EngineConfig, args) -> dict:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
         stop_token_ids=stop_ids(tokenizer, target),
     )

@@ -35,7 +35,7 @@ from ..speculative.compat import method_problem
 from ..speculative.dflash2 import DFlash2Drafter
 from ..speculative.drafter import DFlashDrafter, DrafterMismatchError
 from ..speculative.tree import Tree, build_chain, chain, expected_accepted, root_only
-from ..speculative.verify import decide, processed_probs, tree_mask
+from ..speculative.verify import RowSampling, decide, processed_probs, tree_mask
 from .budget import BudgetController
 from .fused import cache_compactor, tree_builder, tree_walker, use_backend, use_drafter_backend
 from .graphs import default_span_buckets
@@ -83,6 +83,8 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
 
 
@@ -182,8 +184,7 @@ class Engine:
         self.lengths = torch.zeros(b, dtype=torch.long, device=dev)  # committed tokens (= bonus position)
         self.bonus = torch.zeros(b, dtype=torch.long, device=dev)  # last emitted token, root of the next tree
         self.active = torch.zeros(b, dtype=torch.bool, device=dev)
-        self.temperature = torch.zeros(b, device=dev)
-        self.top_p = torch.ones(b, device=dev)
+        self.sampling = RowSampling.greedy(b, dev)
         feat = len(self.tap_layers) * target.config.hidden_size
         dtype = target.lm_head.weight.dtype
         # tapped target states of the last accepted path, not yet in the drafter cache
@@ -471,8 +472,9 @@ class Engine:
         self.lengths[index] = torch.tensor(lengths, device=self.device)
         self.ctx_count[index] = 0
         self.active[index] = True
-        self.temperature[index] = params.temperature
-        self.top_p[index] = params.top_p
+        settings = self.sampling
+        settings.temperature[index], settings.top_p[index] = params.temperature, params.top_p
+        settings.top_k[index], settings.min_p[index] = params.top_k, params.min_p
         for row, n in zip(rows, lengths):
             self.host_lengths[row] = n
             self.host_sampling[row] = params.temperature > 0
@@ -481,7 +483,7 @@ class Engine:
         logits = self.target.logits(last[:, None])
         if self.path_logits is not None:
             self.path_logits[index, 0] = logits[:, 0, : self.path_logits.shape[-1]]
-        first = decide(logits, self.temperature[index], self.top_p[index], self.generator, params.temperature > 0)
+        first = decide(logits, self.sampling[index], self.generator, params.temperature > 0)
         self.bonus[index] = first[:, 0]
         return first[:, 0].tolist()
 
@@ -696,7 +698,7 @@ class Engine:
         mask = tree_mask(lengths, tree.visible, span)
         logits, taps = self.target(tree.tokens, lengths[:, None] + tree.depth, slots, mask, self.tap_layers)
         self.root_max_logit[:n].copy_(logits[:, 0].amax(-1))
-        decisions = decide(logits, self.temperature[:n], self.top_p[:n], self.generator, sampling)
+        decisions = decide(logits, self.sampling[:n], self.generator, sampling)
         self._mark("verify")
         w = self.walk(tree, decisions, self.max_depth)
         self._mark("walk")
@@ -802,9 +804,9 @@ class Engine:
         its committed text and staged drafter context end before the new token, which roots the next tree.
         Returns {row: token}; one host sync. Needs an engine made with logprobs=True (the path's logits).
 
-        At T > 0 the draw is from the target's top-p distribution restricted to `allowed` (from `allowed`'s
-        own temperature distribution when the nucleus holds none of them): with the refused draw before it,
-        a rejection sampler of that restricted distribution."""
+        At T > 0 the draw is from the target's processed distribution (top-k, top-p, min-p) restricted to
+        `allowed` (from `allowed`'s own temperature distribution when that holds none of them): with the
+        refused draw before it, a rejection sampler of that restricted distribution."""
         if self.path_logits is None:
             raise ValueError("constrained decoding needs the path's logits: make the engine with logprobs=True")
         rows = list(fixes)
@@ -816,9 +818,16 @@ class Engine:
         masked = logits.masked_fill(~allowed, float("-inf"))
         chosen = masked.argmax(-1)
         if any(self.host_sampling[r] for r in rows):
-            temperature, top_p = self.temperature[index], self.top_p[index]
-            probs = processed_probs(logits, temperature, top_p) * allowed
-            anywhere = processed_probs(masked, temperature, torch.ones_like(top_p))
+            settings = self.sampling[index]
+            temperature = settings.temperature
+            probs = processed_probs(logits, settings) * allowed
+            unfiltered = RowSampling(
+                temperature,
+                torch.ones_like(temperature),
+                torch.zeros_like(settings.top_k),
+                torch.zeros_like(temperature),
+            )
+            anywhere = processed_probs(masked, unfiltered)
             probs = torch.where(probs.sum(-1, keepdim=True) > 0, probs, anywhere)
             race = torch.empty_like(probs).exponential_(generator=self.generator)
             chosen = torch.where(temperature > 0, (probs / race).argmax(-1), chosen)
@@ -969,8 +978,8 @@ class Engine:
                 f"{self.request_pages(prompt, params) * PAGE_SIZE} cache slots, more than the whole KV cache "
                 f"({self.page_pool.pages * PAGE_SIZE} tokens)"
             )
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or not 0 <= params.min_p <= 1:
+            raise ValueError("temperature must be >= 0, top_p in (0, 1], top_k >= 0 and min_p in [0, 1]")
         bad = [t for t in prompt if not 0 <= t < self.target.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary of {self.target.config.vocab_size}")

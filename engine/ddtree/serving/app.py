@@ -531,13 +531,16 @@ class EngineServer:
             max_new_tokens=max_tokens,
             temperature=s.temperature,
             top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
             seed=s.seed,
             stop_token_ids=() if s.ignore_eos else self.stop_token_ids,
         )
         try:
             self.engine.check_request(prompt, params)
         except ValueError as exc:
-            raise bad_request(str(exc)) from None
+            # what it checks beyond the fields above: the prompt's tokens (ids, cache pages)
+            raise bad_request(str(exc), "messages" if chat else "prompt") from None
 
         # one scheduler request per choice; each event reaches the queue as (choice index, event)
         queue: asyncio.Queue = asyncio.Queue()

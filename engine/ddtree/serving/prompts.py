@@ -160,6 +160,10 @@ class PromptEncoder:
         messages = chat_messages(body)
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions")
+        if "developer" not in str(self.tokenizer.chat_template):
+            # OpenAI's developer messages are its system messages under another name; a template that knows
+            # no such role would write a turn of its own for it (and maybe its default system prompt too)
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         if tools and not self.renders_tools:
             raise bad_request(
                 "this model's chat template does not render tools, so this server cannot take 'tools' for it "

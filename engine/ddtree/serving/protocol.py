@@ -26,6 +26,10 @@ ERROR_TYPES = {
 REFUSALS = {
     "functions": "'functions' (the legacy form of 'tools') is not supported: send 'tools'",
     "tools": "'tools' is only taken by /v1/chat/completions, whose chat template renders them",
+    **{
+        f"guided_{kind}": f"'guided_{kind}' is not supported: send 'response_format' (json_object or json_schema)"
+        for kind in ("json", "regex", "choice", "grammar")
+    },
 }
 
 
@@ -99,6 +103,18 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
         "suffix": (None, ""),
         "functions": (None, []),
         "logit_bias": (None, {}),
+        # vLLM's extensions that change the output
+        "repetition_penalty": (None, 1, 1.0),
+        "min_tokens": (None, 0),
+        "stop_token_ids": (None, []),
+        "bad_words": (None, []),
+        "allowed_token_ids": (None, []),
+        "use_beam_search": (None, False),
+        "include_stop_str_in_output": (None, False),
+        "guided_json": (None,),
+        "guided_regex": (None,),
+        "guided_choice": (None,),
+        "guided_grammar": (None,),
     }
     if not chat:
         neutral["tools"] = (None, [])
@@ -115,17 +131,23 @@ class Sampling:
     """The validated generation fields of a request (prompt and max_tokens default aside)."""
 
     def __init__(self, body: dict, chat: bool, engine_budget: int | str, max_logprobs: int = 0):
-        self.max_tokens = get_int(
-            body, "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
-        )
+        limit = "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
+        self.max_tokens = get_int(body, limit)
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad_request(f"'max_tokens' must be >= 1, got {self.max_tokens}", "max_tokens")
+            raise bad_request(f"'{limit}' must be >= 1, got {self.max_tokens}", limit)
         self.temperature = get_float(body, "temperature", 1.0)
         if not 0 <= self.temperature <= 2:
             raise bad_request(f"'temperature' must be in [0, 2], got {self.temperature}", "temperature")
         self.top_p = get_float(body, "top_p", 1.0)
         if not 0 < self.top_p <= 1:
             raise bad_request(f"'top_p' must be in (0, 1], got {self.top_p}", "top_p")
+        self.top_k = get_int(body, "top_k", 0)  # extension (as in vLLM): 0 or -1 is every token
+        if self.top_k < -1:
+            raise bad_request(f"'top_k' must be -1, 0 (every token) or positive, got {self.top_k}", "top_k")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = get_float(body, "min_p", 0.0)  # extension (as in vLLM)
+        if not 0 <= self.min_p <= 1:
+            raise bad_request(f"'min_p' must be in [0, 1], got {self.min_p}", "min_p")
         self.seed = get_int(body, "seed")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise bad_request(f"'seed' must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]", "seed")
@@ -151,6 +173,8 @@ class Sampling:
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
+        if opts is not None and not self.stream:  # as OpenAI's API answers
+            raise bad_request("'stream_options' is only allowed with \"stream\": true", "stream_options")
         self.include_usage = get_bool(opts or {}, "include_usage")
         self.ignore_eos = get_bool(body, "ignore_eos")  # extension (as in vLLM): for benchmarks
         self.logprobs = requested_logprobs(body, chat, max_logprobs)
@@ -225,6 +249,8 @@ def chat_messages(body: dict) -> list[dict]:
         if m["role"] not in CHAT_ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", "messages")
         content = m.get("content")
+        if content is None and m["role"] != "assistant":  # as in OpenAI's API: only an assistant's may be absent
+            raise bad_request(f"messages[{i}].content is required for a {m['role']} message", "messages")
         if content is None:
             content = ""
         elif isinstance(content, list):

@@ -25,21 +25,46 @@ def tree_mask(lengths: Tensor, visible: Tensor, span: int) -> Tensor:
     return mask
 
 
-def processed_probs(logits: Tensor, temperature: Tensor, top_p: Tensor) -> Tensor:
-    """softmax(logits / T) restricted to the top-p nucleus; per-sequence T [bs] and top_p [bs]."""
-    scores = logits.float() / temperature.clamp(min=1e-6).view(-1, *([1] * (logits.dim() - 1)))
+@dataclass
+class RowSampling:
+    """Each row's sampling settings on the device, [rows] each: temperature (0: greedy), top_p, top_k (0:
+    every token) and min_p. The engine keeps one for all its rows and writes a request's into its row."""
+
+    temperature: Tensor
+    top_p: Tensor
+    top_k: Tensor
+    min_p: Tensor
+
+    @classmethod
+    def greedy(cls, rows: int, device) -> RowSampling:
+        zeros = torch.zeros(rows, device=device)
+        return cls(
+            zeros, torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device), zeros.clone()
+        )
+
+    def __getitem__(self, index) -> RowSampling:
+        return RowSampling(self.temperature[index], self.top_p[index], self.top_k[index], self.min_p[index])
+
+
+def processed_probs(logits: Tensor, rows: RowSampling) -> Tensor:
+    """softmax(logits / T) [bs, ..., V] restricted, row by row, to its top_k most probable tokens, then to
+    the top-p nucleus of those (renormalized, as transformers' and vLLM's samplers do), then to the tokens
+    with at least min_p times the most probable one's probability. Each keeps the most probable token."""
+    shape = (-1, *([1] * (logits.dim() - 1)))
+    scores = logits.float() / rows.temperature.clamp(min=1e-6).view(shape)
     probs = torch.softmax(scores, dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    top_p = top_p.view(-1, *([1] * (logits.dim() - 1)))
-    keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p  # always keeps the most probable token
-    sorted_probs = sorted_probs * keep
+    vocab = logits.shape[-1]
+    top_k = torch.where(rows.top_k > 0, rows.top_k, vocab).view(shape)
+    sorted_probs = sorted_probs * (torch.arange(vocab, device=logits.device) < top_k)
+    total = sorted_probs.sum(-1, keepdim=True)
+    sorted_probs = sorted_probs * ((sorted_probs.cumsum(-1) - sorted_probs) < rows.top_p.view(shape) * total)
+    sorted_probs = sorted_probs * (sorted_probs >= rows.min_p.view(shape) * sorted_probs[..., :1])
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs / probs.sum(-1, keepdim=True)
 
 
-def decide(
-    logits: Tensor, temperature: Tensor, top_p: Tensor, generator: torch.Generator | None, sampling: bool
-) -> Tensor:
+def decide(logits: Tensor, rows: RowSampling, generator: torch.Generator | None, sampling: bool) -> Tensor:
     """The target's token at every node [bs, N]: argmax where T == 0, else a sample.
 
     `sampling` (known on the host) says whether any sequence has T > 0. Sampling uses the
@@ -48,10 +73,10 @@ def decide(
     greedy = logits.argmax(-1)
     if not sampling:
         return greedy
-    probs = processed_probs(logits, temperature, top_p)
+    probs = processed_probs(logits, rows)
     race = torch.empty_like(probs).exponential_(generator=generator)
     sampled = (probs / race).argmax(-1)
-    return torch.where((temperature > 0)[:, None], sampled, greedy)
+    return torch.where((rows.temperature > 0)[:, None], sampled, greedy)
 
 
 @dataclass
