@@ -17,7 +17,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
-from ddtree.config import DEFAULT_MAX_SEQ_LEN
+from ddtree.config import DEFAULT_MAX_SEQ_LEN, ServingConfig
+
+DEFAULT_MAX_BATCH_SIZE = ServingConfig.max_batch_size  # the engine's rows when spec.engine.maxBatchSize is unset
 
 GROUP = "ddtree.dev"
 VERSION = "v1alpha1"
@@ -27,9 +29,10 @@ SINGULAR = "speculativedeployment"
 SHORT_NAMES = ["specdeploy"]
 CATEGORIES = ["llm"]
 
-# Kubernetes' own pattern for resource.Quantity (k8s.io/apimachinery/pkg/api/resource).
+# Kubernetes' own pattern for resource.Quantity (k8s.io/apimachinery/pkg/api/resource) without the minus
+# sign: requests, limits and volume sizes below 0 are refused by the API server when it creates the pods.
 QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 
@@ -50,22 +53,34 @@ Quantity = Annotated[
 # A GPU's memory, e.g. 141Gi (H200) or 80Gi: a positive Kubernetes quantity of bytes (no milli, no sign).
 GPU_MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
 
-# maxSurge / maxUnavailable as a Deployment's rolling update takes them: a count or a percentage.
-PERCENT_PATTERN = r"^[0-9]+%$"
+# maxSurge / maxUnavailable as a Deployment's rolling update takes them: a count or a percentage (no
+# leading zeros, so that "0%" is the only spelling of zero the rules below need to know).
+PERCENT_PATTERN = r"^(0|[1-9][0-9]*)%$"
+# maxUnavailable: a Deployment and a PodDisruptionBudget refuse more than 100%
+AT_MOST_ALL_PATTERN = r"^([0-9]|[1-9][0-9]|100)%$"
 
 
-def _check_int_or_percent(value: int | str) -> int | str:
-    if isinstance(value, str) and not re.match(PERCENT_PATTERN, value):
-        raise ValueError(f"{value!r} is neither a count nor a percentage (examples: 1, 25%)")
+def _check_int_or_percent(value: int | str, pattern: str = PERCENT_PATTERN, what: str = "") -> int | str:
+    if isinstance(value, str) and not re.match(pattern, value):
+        raise ValueError(f"{value!r} is neither a count nor a percentage{what} (examples: 1, 25%)")
     if isinstance(value, int) and value < 0:
         raise ValueError(f"{value} must be >= 0")
     return value
+
+
+def _check_at_most_all(value: int | str) -> int | str:
+    return _check_int_or_percent(value, AT_MOST_ALL_PATTERN, " of at most 100%")
 
 
 IntOrPercent = Annotated[
     int | str,
     AfterValidator(_check_int_or_percent),
     WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": PERCENT_PATTERN, "minimum": 0}),
+]
+IntOrPercentAtMostAll = Annotated[
+    int | str,
+    AfterValidator(_check_at_most_all),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": AT_MOST_ALL_PATTERN, "minimum": 0}),
 ]
 
 AUTO_BUDGET = "auto"
@@ -502,7 +517,7 @@ class RolloutSpec(_Model):
         "configured), so a surge pod would find no room, else 1 (a new engine is ready before an old one "
         "goes, so serving capacity never drops); 1 whenever maxUnavailable is set to 0.",
     )
-    max_unavailable: IntOrPercent | None = Field(
+    max_unavailable: IntOrPercentAtMostAll | None = Field(
         default=None,
         description="Pods below `replicas` during a rollout (a count or a percentage). Default: 1 when a "
         "replica fills a node, else 0; 1 whenever maxSurge is set to 0. They must not both be 0.",
@@ -671,13 +686,17 @@ class SpeculativeDeploymentSpec(_Model):
             field_path=".parallelism.tensor",
         ),
         Rule(
-            cel="!has(self.engine.maxBatchSize) || !has(self.speculation.batchBuckets) || "
-            "self.speculation.batchBuckets.all(b, b <= self.engine.maxBatchSize)",
-            message="every spec.speculation.batchBuckets entry must be <= spec.engine.maxBatchSize",
+            # (a --max-batch-size in engine.args, which overrides the field, is the engine's to check)
+            cel="!has(self.speculation.batchBuckets) || "
+            "(has(self.engine.args) && self.engine.args.exists(a, a.startsWith('--max-batch-size'))) || "
+            "self.speculation.batchBuckets.all(b, b <= "
+            f"(has(self.engine.maxBatchSize) ? self.engine.maxBatchSize : {DEFAULT_MAX_BATCH_SIZE}))",
+            message="every spec.speculation.batchBuckets entry must be <= spec.engine.maxBatchSize "
+            f"(default {DEFAULT_MAX_BATCH_SIZE})",
             check=lambda s: (
-                s.engine.max_batch_size is None
-                or s.speculation.batch_buckets is None
-                or all(b <= s.engine.max_batch_size for b in s.speculation.batch_buckets)
+                s.speculation.batch_buckets is None
+                or any(a.startswith("--max-batch-size") for a in s.engine.args)
+                or all(b <= (s.engine.max_batch_size or DEFAULT_MAX_BATCH_SIZE) for b in s.speculation.batch_buckets)
             ),
             field_path=".speculation.batchBuckets",
         ),

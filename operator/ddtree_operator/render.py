@@ -560,12 +560,31 @@ def render_horizontal_pod_autoscaler(owner: Owner, autoscaling: api.AutoscalingS
     }
 
 
+GENERATED_NAME_PREFIX = 58  # a generated name's prefix is cut to 63 characters less its 5 random ones
+TEMPLATE_HASH = 10  # a pod-template-hash has at most 10 characters
+
+
+def deployment_pods(name: str) -> str:
+    """A PromQL regex of the names of Deployment `name`'s pods: NAME-<template hash>-<5 characters>, a shape
+    that keeps other workloads called NAME-something (the drafter canary's NAME-canary-...) out. Kubernetes
+    cuts NAME-<hash>- to 58 characters: past a name of 46 characters the hash may be cut short (the pod's
+    name is then 63 characters), and from 57 on only the name's first 57 are left, which the canary's pods
+    share."""
+    prefix = f"{name}-"
+    whole = f"{prefix}[a-z0-9]+-[a-z0-9]{{5}}"
+    if len(prefix) + TEMPLATE_HASH + 1 <= GENERATED_NAME_PREFIX:
+        return whole
+    if len(prefix) >= GENERATED_NAME_PREFIX:
+        return f"{prefix[:GENERATED_NAME_PREFIX]}[a-z0-9]{{5}}"
+    cut = GENERATED_NAME_PREFIX - len(prefix)
+    return f"{whole}|{prefix}[a-z0-9-]{{{cut}}}[a-z0-9]{{5}}"
+
+
 def render_scaled_object(owner: Owner, autoscaling: api.AutoscalingSpec, defaults: EngineDefaults) -> dict[str, Any]:
     """A KEDA ScaledObject with a Prometheus trigger. The query sums `ddtree_load` over the resource's pods and
     the trigger is an AverageValue, so the HPA that KEDA makes divides it by the replicas: the target is a load
-    per replica, as with the prometheus-adapter. The pods are matched by name: the Deployment names them
-    NAME-<template hash>-<5 characters>, a shape that keeps other workloads called NAME-something out."""
-    pods = f"{owner.name}-[a-z0-9]+-[a-z0-9]{{5}}"
+    per replica, as with the prometheus-adapter. The pods are matched by name (deployment_pods)."""
+    pods = deployment_pods(owner.name)
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",

@@ -29,6 +29,10 @@ INVALID_SPECS = {
         {**VALID, "speculation": {"batchBuckets": [1, 8]}, "engine": {"maxBatchSize": 4}},
         "every spec.speculation.batchBuckets entry must be <= spec.engine.maxBatchSize",
     ),
+    "bucket-above-the-default-max-batch": (
+        {**VALID, "speculation": {"batchBuckets": [1, 16]}},
+        "every spec.speculation.batchBuckets entry must be <= spec.engine.maxBatchSize (default 8)",
+    ),
     "budget-by-batch-size-with-dflash": (
         {**VALID, "speculation": {"method": "dflash", "budgetByBatchSize": [{"maxBatchSize": 1, "budget": 32}]}},
         "budgetByBatchSize needs method ddtree",
@@ -114,6 +118,13 @@ OUT_OF_BOUNDS_SPECS = {
     "gpu-memory-in-millibytes": ({**VALID, "resources": {"gpus": 1, "gpuMemory": "80m"}}, "spec.resources.gpuMemory"),
     "max-surge-not-a-percentage": ({**VALID, "rollout": {"maxSurge": "half"}}, "spec.rollout.maxSurge"),
     "negative-max-unavailable": ({**VALID, "rollout": {"maxUnavailable": -1}}, "spec.rollout.maxUnavailable"),
+    "max-unavailable-above-all": ({**VALID, "rollout": {"maxUnavailable": "150%"}}, "spec.rollout.maxUnavailable"),
+    "zero-with-leading-zeros": (
+        {**VALID, "rollout": {"maxSurge": 0, "maxUnavailable": "00%"}},
+        "spec.rollout.maxUnavailable",
+    ),
+    "negative-cpu": ({**VALID, "resources": {"cpu": "-1"}}, "spec.resources.cpu"),
+    "negative-shared-memory": ({**VALID, "resources": {"sharedMemorySize": "-1Gi"}}, "spec.resources.sharedMemorySize"),
     "max-seq-len-too-small": ({**VALID, "engine": {"maxSeqLen": 8}}, "spec.engine.maxSeqLen"),
     "kv-cache-smaller-than-a-request": (
         {**VALID, "engine": {"maxSeqLen": 8192, "kvCacheTokens": 4096}},

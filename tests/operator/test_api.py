@@ -57,6 +57,18 @@ def test_bounds_reject(case):
         SpeculativeDeploymentSpec.model_validate(spec)
 
 
+def test_values_near_the_bounds_are_accepted():
+    accepted = [
+        {"rollout": {"maxSurge": "150%", "maxUnavailable": "100%"}},  # a surge may exceed the replicas
+        {"resources": {"cpu": "500m", "memory": "+2Gi", "sharedMemorySize": "0"}},
+        {"speculation": {"batchBuckets": [1, 8]}},  # the engine's default of 8 rows
+        # a --max-batch-size in engine.args overrides the field: the engine checks the buckets against it
+        {"speculation": {"batchBuckets": [1, 16]}, "engine": {"args": ["--max-batch-size", "16"]}},
+    ]
+    for extra in accepted:
+        SpeculativeDeploymentSpec.model_validate({**VALID, **extra})
+
+
 def test_unknown_fields_are_rejected():
     with pytest.raises(pydantic.ValidationError, match="budgett"):
         SpeculativeDeploymentSpec.model_validate({**VALID, "speculation": {"budgett": 3}})

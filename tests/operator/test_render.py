@@ -304,6 +304,7 @@ def test_budget_by_batch_size_renders_one_budget_sorted_by_batch():
     spec = SpeculativeDeploymentSpec.model_validate(
         {
             **VALID,
+            "engine": {"maxBatchSize": 64},
             "speculation": {
                 "batchBuckets": [1, 4, 16, 64],
                 "budgetByBatchSize": [
@@ -547,3 +548,25 @@ def test_bad_engine_defaults_are_one_clear_error(text, message):
 def test_a_bad_image_pull_policy_names_its_variable():
     with pytest.raises(ValueError, match="DDTREE_ENGINE_IMAGE_PULL_POLICY: Input should be"):
         engine_defaults_from_env({"DDTREE_ENGINE_IMAGE_PULL_POLICY": "Sometimes"})
+
+
+def test_the_scaled_objects_pod_pattern_follows_kubernetes_name_generation():
+    """Pods are named by Kubernetes' rule: the ReplicaSet NAME-<hash>, then its prefix "NAME-<hash>-" cut
+    to 58 characters, then 5 random ones; the pattern (anchored, as PromQL's =~ is) must hold every length
+    of name the CRD allows, and keep the canary's and other workloads' pods out where the names allow."""
+    import re
+
+    from ddtree_operator.render import deployment_pods
+
+    def pod(deployment: str, template_hash: str) -> str:
+        return f"{deployment}-{template_hash}-"[:58] + "x7k2q"
+
+    for length in (4, 40, 46, 47, 50, 56, 57, 63):
+        name = ("d" + "x" * 62)[:length]
+        pattern = re.compile(deployment_pods(name))
+        for template_hash in ("5d8f7c9b4", "7f9c8d6b5a"):
+            assert pattern.fullmatch(pod(name, template_hash)), (length, template_hash)
+            if length <= 46:  # the canary's pods are told apart while its hash is whole
+                assert not pattern.fullmatch(pod(f"{name}-canary", template_hash)), length
+        assert not pattern.fullmatch(f"{name}-x-0"[:63]) or length >= 57, length
+        assert not pattern.fullmatch(f"other{name}-5d8f7c9b4-x7k2q"), length
