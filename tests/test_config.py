@@ -219,3 +219,52 @@ def test_generate_with_a_config_file_end_to_end(tmp_path):
     ]
     missing = run_cli("generate", "--config", str(tmp_path / "nope.yaml"), *common)
     assert missing.returncode == 2 and "cannot read config file" in missing.stderr
+
+
+def test_bad_numbers_devices_and_config_files_are_one_line_errors(tmp_path, capsys):
+    """Refused before anything loads: each is one line on stderr and exit status 2."""
+    from ddtree.cli import main
+
+    llama = {
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    folders = {}
+    for name, change in [("no-layers", {"num_hidden_layers": None}), ("text-width", {"hidden_size": "64"})]:
+        folder = tmp_path / name
+        folder.mkdir()
+        cfg = {k: v for k, v in {**llama, **change}.items() if v is not None}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        folders[name] = str(folder)
+    tiny = ["--model", "random:tiny", "--drafter", "random:1", "--device", "cpu", "--graphs", "off", "--methods", "ar"]
+    for argv, message in [
+        (["bench", *tiny, "--rounds", "0"], "--rounds must be >= 1, got 0"),
+        (["bench", *tiny, "--ctx", "-5"], "--ctx must be >= 1, got -5"),
+        (["generate", "--model", "random:tiny", "--prompt", "hi", "--device", "tpu"], "must be cpu, cuda or cuda:N"),
+        (["generate", "--model", "random:tiny", "--prompt", "hi", "--budget", "1:32,1:8"], "each batch size once"),
+        (["plan", "--model", folders["no-layers"], "--gpus", "1", "--gpu-memory", "80GB"], "lacks 'num_hidden_layers'"),
+        (["plan", "--model", folders["text-width"], "--gpus", "1", "--gpu-memory", "80GB"], "must be an integer"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (argv, err)
+
+
+def test_config_files_lacking_a_size_are_refused_by_name():
+    from ddtree.models.llama import ModelConfig
+    from ddtree.speculative.compat import DrafterMismatchError
+    from ddtree.speculative.drafter import DrafterConfig
+
+    full = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    with pytest.raises(ValueError, match=r"config lacks 'num_attention_heads'$"):
+        ModelConfig.from_hf(full)
+    with pytest.raises(ValueError, match=r"config lacks 'vocab_size' \(and num_attention_heads\)"):
+        ModelConfig.from_hf({k: v for k, v in full.items() if k != "vocab_size"})
+    drafter = {**full, "num_attention_heads": 4, "architectures": ["DFlashDraftModel"]}
+    drafter.pop("num_hidden_layers")
+    with pytest.raises(DrafterMismatchError, match="drafter config lacks 'num_hidden_layers'"):
+        DrafterConfig.from_hf(drafter)

@@ -502,3 +502,19 @@ def test_a_share_of_the_gpu_is_the_pool_the_engine_allocates():
     room = plan.total_per_rank - kv + 300 * plan.kv_bytes_per_token  # 300 tokens of cache past the rest
     with pytest.raises(ConfigError, match="max_context 512 is more than the KV cache pool of 288 tokens"):
         build_engine(share_config(room / total, "cuda"))
+
+
+def test_the_readmes_kimi_plan_is_what_the_command_prints(capsys):
+    """README.md shows `ddtree plan` for Kimi K2.6 on 8 H200s, command and output: they must not drift."""
+    import pathlib
+    import re
+    import shlex
+
+    from ddtree.cli import main
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    block = re.search(r"```\n\$ (ddtree plan .*?)\n(memory plan:.*?)\n```", readme, re.S)
+    assert block, "README.md shows a `$ ddtree plan` block"
+    command, shown = block.group(1).replace("\\\n", " "), block.group(2)
+    assert main(shlex.split(command)[1:]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == shown

@@ -37,13 +37,16 @@ def parse_budget(text: str) -> int | dict[int, int] | str:
             if value < 0:
                 raise argparse.ArgumentTypeError(f"--budget must be >= 0, got {value}")
             return value
-        policy = {int(n): int(b) for n, b in (part.split(":") for part in text.split(","))}
+        pairs = [(int(n), int(b)) for n, b in (part.split(":") for part in text.split(","))]
+        policy = dict(pairs)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--budget takes an integer, BATCH:BUDGET pairs like 1:32,16:8 or auto, got '{text}'"
         ) from None
     if min(policy) < 1 or min(policy.values()) < 0:
         raise argparse.ArgumentTypeError(f"--budget: batch sizes must be >= 1 and budgets >= 0, got '{text}'")
+    if len(policy) < len(pairs):
+        raise argparse.ArgumentTypeError(f"--budget: each batch size once, got '{text}'")
     return policy
 
 

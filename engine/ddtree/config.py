@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -389,6 +390,8 @@ class EngineConfig:
         n, m, s, k, p, v = self.name, self.model, self.speculation, self.kernels, self.parallel, self.serving
         if not m.id:
             raise ConfigError(f"{n('model.id')} is required")
+        if m.device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", m.device):
+            raise ConfigError(f"{n('model.device')} must be cpu, cuda or cuda:N, got '{m.device}'")
         if m.dtype is not None and m.dtype not in DTYPE_NAMES:
             raise ConfigError(f"unknown {n('model.dtype')} '{m.dtype}' (choose from float32, bfloat16, float16)")
         if s.method not in METHODS:

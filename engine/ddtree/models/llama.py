@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import CausalLM
+from .config_fields import require_fields
 from .layers import (
     MLP,
     Collectives,
@@ -55,6 +56,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         """Build from a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
+        require_fields(
+            cfg, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        )
         model_type = cfg.get("model_type", "llama")
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}

@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import DEFAULT_MAX_SEQ_LEN, DTYPE_NAMES, PAGE_SIZE
+from .config_fields import require_fields
 from .quant_config import QuantScheme, parse_quantization
 from .registry import family_for
 
@@ -207,6 +208,9 @@ def _llama_layout(cfg: dict, world: int, expert_parallel: int | None) -> Layout:
     KV cache, dense MLPs or (qwen3_moe) routed experts under a softmax router."""
     model_type = cfg.get("model_type", "llama")
     moe = model_type == "qwen3_moe"
+    require_fields(cfg, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"))
+    if not moe:
+        require_fields(cfg, ("intermediate_size",))
     hidden, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     hd = cfg.get("head_dim") or hidden // heads
@@ -284,9 +288,7 @@ def _mla_layout(outer: dict, world: int, expert_parallel: int | None) -> Layout:
     cfg = outer["text_config"] if outer.get("model_type") == "kimi_k25" else outer
     if not isinstance(cfg, dict):
         raise ValueError("a kimi_k25 config needs its language model under 'text_config'")
-    missing = [k for k in MLA_REQUIRED if k not in cfg]
-    if missing:
-        raise ValueError(f"config lacks '{missing[0]}'" + (f" (and {', '.join(missing[1:])})" if missing[1:] else ""))
+    require_fields(cfg, MLA_REQUIRED, nullable=("q_lora_rank",))  # null: a plain q_proj
     hidden, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
     q_rank, kv_rank = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, rope, v_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -374,12 +376,9 @@ def drafter_layout(cfg: dict, world: int, replicate: bool = False) -> tuple[Layo
     """A DFlash drafter (drafter.DrafterConfig.from_hf's fields) per rank, and whether it is split: its
     layers split like a dense target's when its sizes divide `world` (runtime/parallel.split), else whole
     on every rank. It has no embedding or LM head (it uses the target's)."""
-    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    missing = [k for k in need if k not in cfg]
-    if missing:
-        raise ValueError(
-            f"drafter config lacks '{missing[0]}'" + (f" (and {', '.join(missing[1:])})" if missing[1:] else "")
-        )
+    require_fields(
+        cfg, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"), "drafter config"
+    )
     hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads = cfg["num_attention_heads"]
     # transformers' Qwen3Config defaults and the DFlash keys' precedence, as DrafterConfig.from_hf reads them

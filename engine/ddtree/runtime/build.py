@@ -59,9 +59,9 @@ def load_target(
     model before its weights are read, so a rank reads only its slices."""
     from transformers import AutoTokenizer
 
-    from ..models.checkpoint import resolve_model
+    from ..models.checkpoint import load_config, resolve_model
     from ..models.random import RANDOM_PREFIX, random_model
-    from ..models.registry import load_pretrained
+    from ..models.registry import config_from_hf, load_pretrained
     from .fused import use_backend
 
     backend = inference_backend(kernels, device)  # refuse before the (slow) load
@@ -80,6 +80,7 @@ def load_target(
             f"the tokenizer of {ref} is Python code shipped with the checkpoint: run it with "
             "--trust-remote-code (model.trust_remote_code) if you trust its source"
         )
+    config_from_hf(load_config(folder))  # a bad config.json refused by name, before transformers reads it too
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     target = load_pretrained(folder, dtype=dtype, device=device, shard=shard, label=label)
     use_backend(target, backend)  # the Engine keeps the backend a target has

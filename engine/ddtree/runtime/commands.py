@@ -162,6 +162,9 @@ def cmd_bench(args) -> int:
             raise UsageError(
                 f"--kernels {kernels} needs triton and a CUDA device (on CPU only under TRITON_INTERPRET=1, slowly)"
             )
+    for flag, value in (("--rounds", args.rounds), ("--ctx", args.ctx)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
     methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - {"ar", "dflash", "ddtree"}
     if unknown:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..models.config_fields import require_fields
 from ..models.deepseek_v3 import ModelConfig as MLAConfig
 from ..models.layers import (
     MLP,
@@ -198,6 +199,14 @@ class DrafterConfig:
         foreign = [k for k in FOREIGN_KEYS if dflash.get(k) or cfg.get(k)]
         if foreign:
             raise DrafterMismatchError(f"drafter config sets {', '.join(foreign)}, which this drafter does not compute")
+        try:
+            require_fields(
+                cfg,
+                ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+                "drafter config",
+            )
+        except ValueError as e:
+            raise DrafterMismatchError(str(e)) from None
         is_causal = cfg.get("is_causal")
         if is_causal is not None and not isinstance(is_causal, bool):
             raise DrafterMismatchError(f"drafter is_causal {is_causal!r} must be true, false or null")
