@@ -9,18 +9,9 @@ from ddtree.models.random import ByteTokenizer
 from ddtree.runtime.engine import Engine, SamplingParams
 from ddtree.speculative.drafter import DFlashDrafter
 from in_process_server import InProcessServer
+from tiny_models import reference_log_probs
 
 PROMPT = [3, 14, 15, 9, 26, 5]
-
-
-def reference_logprobs(model, text: list[int]) -> torch.Tensor:
-    """log_softmax of a plain causal forward over `text`: row i is the distribution of token i + 1."""
-    n = len(text)
-    j = torch.arange(n)
-    model.setup_caches(max_batch=1, max_slots=n + 1)
-    with torch.no_grad():
-        logits, _ = model(torch.tensor([text]), j[None], j[None], (j[:, None] >= j[None, :])[None, None])
-    return logits[0].float().log_softmax(-1)
 
 
 class OracleEngine(Engine):
@@ -56,7 +47,7 @@ def test_token_logprobs_are_the_targets_distribution_at_each_emitted_token(tiny_
     assert emitted[:30] == ar
     if method == "ddtree":
         assert longest > 3, "the oracle drafts must make rounds accept several tokens"
-    ref = reference_logprobs(tiny_target, PROMPT + emitted)
+    ref = reference_log_probs(tiny_target, PROMPT + emitted)
     for k, (logprob, top) in enumerate(got):
         row = ref[len(PROMPT) - 1 + k]
         assert logprob == pytest.approx(row[emitted[k]].item(), abs=1e-4)

@@ -8,7 +8,7 @@ import torch
 
 from ddtree.runtime.engine import Engine, SamplingParams
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
-from tiny_models import random_target
+from tiny_models import random_target, reference_log_probs
 
 
 def chi_square_p_value(a: collections.Counter, b: collections.Counter) -> float:
@@ -85,16 +85,6 @@ def test_same_seed_same_output():
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=42)
     first = [r.token_ids for r in eng.generate([[1, 2]] * 4, sp)]
     assert [r.token_ids for r in eng.generate([[1, 2]] * 4, sp)] == first
-
-
-def reference_log_probs(model, text: list[int]) -> torch.Tensor:
-    """log_softmax of a plain causal forward over `text`: row i is the distribution of token i + 1."""
-    n = len(text)
-    j = torch.arange(n)
-    model.setup_caches(max_batch=1, max_slots=n + 1)
-    with torch.no_grad():
-        logits, _ = model(torch.tensor([text]), j[None], j[None], (j[:, None] >= j[None, :])[None, None])
-    return logits[0].float().log_softmax(-1)
 
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])

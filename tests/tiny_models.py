@@ -38,3 +38,13 @@ def byte_level_chars() -> list[str]:
             table[b] = chr(256 + extra)
             extra += 1
     return [table[b] for b in range(256)]
+
+
+def reference_log_probs(model, text: list[int]) -> torch.Tensor:
+    """log_softmax of a plain causal forward over `text`: row i is the distribution of token i + 1."""
+    n = len(text)
+    j = torch.arange(n)
+    model.setup_caches(max_batch=1, max_slots=n + 1)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([text]), j[None], j[None], (j[:, None] >= j[None, :])[None, None])
+    return logits[0].float().log_softmax(-1)
