@@ -549,7 +549,9 @@ def test_max_seq_len_is_bounded_by_the_models_context(tmp_path, monkeypatch):
     assert build_engine(config(max_seq_len=128))[0].max_seq_len == 128
     with pytest.raises(ConfigError, match=r"serving.max_seq_len 512 is more than .*tiny.gguf's context of 256 tokens"):
         build_engine(config(max_seq_len=512))
-    args = Namespace(prompt="hello", chat=False, max_new_tokens=300, temperature=0.0, top_p=1.0, seed=0)
+    args = Namespace(
+        prompt="hello", chat=False, max_new_tokens=300, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0
+    )
     with pytest.raises(UsageError, match=r"--max-new-tokens 300 come to 30\d tokens, more than .*context of 256"):
         generate_on_rank(0, 1, config(), args)
     args.max_new_tokens = 4
