@@ -14,7 +14,7 @@ def server(tiny_target, tiny_drafter):
     """ddtree rounds over the tiny model with 2 rows, so a third choice waits for a free row."""
     engine = Engine(tiny_target, tiny_drafter, "ddtree", 8, max_batch_size=2, max_seq_len=64, logprobs=True)
     served = InProcessServer(engine, ByteTokenizer(tiny_target.config.vocab_size), {"max_seq_len": 64})
-    yield served.client()
+    yield served
     served.close()
 
 
@@ -31,6 +31,7 @@ def by_index(chunks) -> dict[int, dict]:
 
 
 def test_greedy_choices_are_the_single_answer_whole_and_streamed(server):
+    server = server.client()
     request = {"model": "tiny", "prompt": "hello", "max_tokens": 10, "temperature": 0}
     one = server.completions.create(**request)
     three = server.completions.create(**request, n=3)
@@ -49,6 +50,7 @@ def test_greedy_choices_are_the_single_answer_whole_and_streamed(server):
 
 
 def test_sampled_choices_differ_and_carry_their_own_log_probabilities(server):
+    server = server.client()
     whole = server.completions.create(
         model="tiny", prompt="hello", max_tokens=12, temperature=1.0, seed=7, n=4, logprobs=1
     )
@@ -64,6 +66,7 @@ def test_sampled_choices_differ_and_carry_their_own_log_probabilities(server):
 
 
 def test_n_out_of_range_is_refused_and_the_server_keeps_serving(server):
+    server = server.client()
     for n, message in [
         (0, "'n' must be in 1..128, got 0"),
         (129, "'n' must be in 1..128, got 129"),
@@ -72,3 +75,14 @@ def test_n_out_of_range_is_refused_and_the_server_keeps_serving(server):
         with pytest.raises(openai.BadRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
             server.completions.create(model="tiny", prompt="hi", max_tokens=2, n=n)
     assert len(server.completions.create(model="tiny", prompt="hi", max_tokens=2, n=34).choices) == 34
+
+
+def test_later_choices_map_the_first_ones_prompt_pages(server):
+    """The first choice's prefill puts the prompt's full pages in the prefix cache; the others wait for it
+    and map them instead of prefilling the prompt again."""
+    prompt = "a prompt of forty bytes over three pages"  # pages 0 and 1 full, the last token in page 2
+    hits = server.server.metrics.prefix_cache_hit_tokens
+    before = hits._value.get()
+    reply = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, n=3)
+    assert len({c.text for c in reply.choices}) == 1
+    assert hits._value.get() - before == 2 * 32, "choices 1 and 2 each map the two full pages"

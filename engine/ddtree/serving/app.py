@@ -545,7 +545,7 @@ class EngineServer:
         # one scheduler request per choice; each event reaches the queue as (choice index, event)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        reqs = []
+        reqs: list[Request] = []
         for i in range(s.n):
             constraint = await self.prepare(self.grammars.constraint, grammar) if grammar is not None else None
             reqs.append(
@@ -557,6 +557,7 @@ class EngineServer:
                     skip_special_tokens=not (reads_calls and self.tool_markers_special),
                     logprobs=s.logprobs,
                     constraint=constraint,
+                    first_choice=reqs[0] if reqs else None,
                 )
             )
         try:

@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ..config import PAGE_SIZE
 from ..runtime.constrained import Constraint, constrain
 from ..runtime.engine import SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -97,8 +98,10 @@ class Request:
         skip_special_tokens: bool = True,  # off: special tokens are text too (tool-call markers of some models)
         logprobs: int | None = None,  # log-probabilities of the completion tokens, with this many top tokens
         constraint: Constraint | None = None,  # a grammar: response_format, a required tool choice (constrained.py)
+        first_choice: Request | None = None,  # another choice of the same API request (`n`): its first
     ):
         self.id = next(_ids)
+        self.first_choice = first_choice
         self.admitted = 0  # admission order: the request admitted last is preempted first
         self.resumed = False  # preempted: it resumes from prompt_ids + token_ids (engine_prompt)
         self.constraint = constraint
@@ -272,6 +275,8 @@ class Scheduler:
                 pages = engine.page_pool.available - self.running
                 while free and self._waiting:
                     req = self._waiting[0]
+                    if self._after_first_choice(req):
+                        break
                     prompt, params = req.engine_prompt, req.engine_params
                     need = engine.pages_needed(prompt, params, self.prefix_cache)
                     # one that never fits goes to begin, which refuses it; one alone always goes in
@@ -322,6 +327,14 @@ class Scheduler:
         waiting, over the engine's rows."""
         rows = self.engine.max_batch_size
         self.metrics.load.set((rows - self._free + len(self._waiting)) / rows)
+
+    def _after_first_choice(self, req: Request) -> bool:
+        """Whether `req`, a later choice of a request, waits (and the queue behind it) until its first
+        choice's prompt is in the cache, to map the prompt's pages from there rather than prefill it again."""
+        first = req.first_choice
+        if first is None or not self.prefix_cache or req.resumed or len(req.prompt_ids) <= PAGE_SIZE:
+            return False
+        return first.detok is None and first.finish_reason is None and not first.cancelled
 
     def _admit(self, row: int, req: Request) -> None:
         try:
