@@ -268,3 +268,44 @@ def test_config_files_lacking_a_size_are_refused_by_name():
     drafter.pop("num_hidden_layers")
     with pytest.raises(DrafterMismatchError, match="drafter config lacks 'num_hidden_layers'"):
         DrafterConfig.from_hf(drafter)
+
+
+def test_a_sliding_window_is_where_a_dense_models_context_stops():
+    """Sliding-window attention is not implemented in the targets: the window a config asks for (as
+    transformers reads it) bounds the requests, so no output is computed past it."""
+    from ddtree.models.config_fields import attention_window
+    from ddtree.models.llama import ModelConfig
+    from ddtree.models.memory import default_max_context, plan_memory
+    from ddtree.runtime.build import model_context
+
+    base = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4}
+    base |= {"num_attention_heads": 4, "max_position_embeddings": 4096}
+    cases = [
+        ({"model_type": "mistral", "sliding_window": 1024}, 1024),
+        ({"model_type": "mistral", "sliding_window": None}, None),
+        ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": False}, None),
+        ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 4}, None),
+        ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": True, "max_window_layers": 2}, 1024),
+        (
+            {"model_type": "qwen3", "sliding_window": 1024, "use_sliding_window": True},
+            None,  # max_window_layers defaults to 28, past these 4 layers
+        ),
+        (
+            {
+                "model_type": "qwen3",
+                "sliding_window": 1024,
+                "use_sliding_window": True,
+                "layer_types": ["full_attention", "sliding_attention"] * 2,
+            },
+            1024,
+        ),
+    ]
+    for extra, window in cases:
+        cfg = {**base, **extra}
+        assert attention_window(cfg) == window, extra
+        context, why = model_context(ModelConfig.from_hf(cfg))
+        assert context == (window or 4096) and ("sliding window" in why) == (window is not None), extra
+        assert default_max_context(cfg) == min(2048, window or 4096)
+    mistral = {**base, "model_type": "mistral", "sliding_window": 1024}
+    plan = plan_memory(mistral, gpus=1, gpu_memory=80 << 30, max_context=2048)
+    assert not plan.fits and "more than the model's context of 1,024 tokens" in plan.reason

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import CausalLM
-from .config_fields import require_fields
+from .config_fields import attention_window, require_fields
 from .layers import (
     MLP,
     Collectives,
@@ -47,6 +47,7 @@ class ModelConfig:
     model_type: str = "llama"
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    attention_window: int | None = None  # a sliding window the config asks for: the context stops there
 
     def split_sizes(self, whole_experts: bool = True) -> dict[str, int]:
         """The sizes tensor parallelism splits over the ranks (each must be a multiple of their number;
@@ -87,6 +88,7 @@ class ModelConfig:
             model_type=model_type,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            attention_window=attention_window(cfg),
         )
 
 

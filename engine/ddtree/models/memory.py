@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import DEFAULT_MAX_SEQ_LEN, DTYPE_NAMES, PAGE_SIZE
-from .config_fields import require_fields
+from .config_fields import attention_window, context_limit, require_fields
 from .quant_config import QuantScheme, parse_quantization
 from .registry import family_for
 
@@ -258,7 +258,7 @@ def _llama_layout(cfg: dict, world: int, expert_parallel: int | None) -> Layout:
         heads=hq,
         vocab_size=vocab,
         hidden_size=hidden,
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        max_position_embeddings=context_limit(cfg.get("max_position_embeddings", 4096), attention_window(cfg))[0],
         whole_experts=whole_experts,
     )
 
@@ -710,7 +710,7 @@ def plan_memory(
     if max_context > target.max_position_embeddings:  # the engine refuses it (runtime/build.py)
         problems.append(
             f"max_context {max_context:,} is more than the model's context of {target.max_position_embeddings:,} "
-            "tokens (max_position_embeddings)"
+            "tokens (max_position_embeddings, or a sliding window short of it)"
         )
     notes = []
     if gpu_memory_utilization is not None:

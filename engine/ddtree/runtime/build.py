@@ -239,13 +239,13 @@ def build_engine(
     loaded = load_models(config, rank, world, note)
     max_batch_size = max_batch_size or config.serving.max_batch_size
     max_seq_len = max_seq_len or config.serving.max_seq_len
-    context = loaded.target.config.max_position_embeddings
+    context, why = model_context(loaded.target.config)
     if max_seq_len is None:
         max_seq_len = min(DEFAULT_MAX_SEQ_LEN, context)
     elif max_seq_len > context:
         raise ConfigError(
             f"{config.name('serving.max_seq_len')} {max_seq_len:,} is more than {config.model.id}'s context of "
-            f"{context:,} tokens (max_position_embeddings in its config)"
+            f"{context:,} tokens ({why})"
         )
     kv_cache_tokens = config.serving.kv_cache_tokens
     if config.serving.gpu_memory_utilization is not None:
@@ -333,3 +333,10 @@ def pool_within_memory(config: EngineConfig, device, world: int, max_batch_size:
         gib(free),
     )
     return pool
+
+
+def model_context(model_config) -> tuple[int, str]:
+    """The most tokens of a request for a target of this config, and why (models.config_fields.context_limit)."""
+    from ..models.config_fields import context_limit
+
+    return context_limit(model_config.max_position_embeddings, getattr(model_config, "attention_window", None))

@@ -52,7 +52,7 @@ def cmd_generate(args) -> int:
 
 def generate_on_rank(rank: int, world: int, config: EngineConfig, args) -> dict:
     """Load, split over `world` ranks when > 1, and generate; every rank computes the same tokens."""
-    from .build import load_models, make_engine
+    from .build import load_models, make_engine, model_context
     from .engine import SamplingParams
 
     loaded = load_models(config, rank, world)
@@ -68,7 +68,7 @@ def generate_on_rank(rank: int, world: int, config: EngineConfig, args) -> dict:
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     max_seq = config.serving.max_seq_len or len(prompt_ids) + args.max_new_tokens
-    context = target.config.max_position_embeddings
+    context, why = model_context(target.config)
     if max_seq > context:
         asked = (
             f"{config.name('serving.max_seq_len')} {max_seq:,} is"
@@ -76,7 +76,7 @@ def generate_on_rank(rank: int, world: int, config: EngineConfig, args) -> dict:
             else f"the prompt ({len(prompt_ids):,} tokens) and --max-new-tokens {args.max_new_tokens:,} come to "
             f"{max_seq:,} tokens,"
         )
-        raise UsageError(f"{asked} more than {config.model.id}'s context of {context:,} tokens")
+        raise UsageError(f"{asked} more than {config.model.id}'s context of {context:,} tokens ({why})")
     # one sequence; the cache is sized after tokenizing, so load and build are two steps here
     engine = make_engine(target, loaded.drafter, config.speculation, max_batch_size=1, max_seq_len=max_seq)
     params = SamplingParams(
