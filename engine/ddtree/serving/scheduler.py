@@ -98,7 +98,7 @@ class Request:
         skip_special_tokens: bool = True,  # off: special tokens are text too (tool-call markers of some models)
         logprobs: int | None = None,  # log-probabilities of the completion tokens, with this many top tokens
         constraint: Constraint | None = None,  # a grammar: response_format, a required tool choice (constrained.py)
-        first_choice: Request | None = None,  # another choice of the same API request (`n`): its first
+        first_choice: Request | None = None,  # for a later choice of an API request (`n`), its first one
     ):
         self.id = next(_ids)
         self.first_choice = first_choice

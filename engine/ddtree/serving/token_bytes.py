@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 
 class TokenBytes:
-    """`tokens(ids)`: each id's (name, bytes) for log-probability entries; `reader()`: a per-request
-    counter of the characters each token adds to the completion's text (text_offset)."""
+    """`token_bytes(id)`: a token's bytes; `name(id)`: its name and bytes for a log-probability entry.
+    Used on the engine thread only."""
 
     def __init__(self, tokenizer, llguidance: Callable[[], object] | None = None):
         """`llguidance`: makes llguidance's LLTokenizer of `tokenizer` (or raises when it cannot)."""
