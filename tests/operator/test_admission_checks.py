@@ -155,7 +155,7 @@ def test_a_config_the_checks_cannot_read_is_unchecked_not_refused():
     compatibility = check_configs(spec("Qwen/Qwen3-30B-A3B"), {QWEN_REF: broken})
     assert not compatibility.blocks
     assert compatibility.unchecked == (
-        "the split of spec.model Qwen/Qwen3-30B-A3B: its config cannot be read: 'num_attention_heads'",
+        "the split of spec.model Qwen/Qwen3-30B-A3B: its config cannot be read: config lacks 'num_attention_heads'",
     )
 
 
