@@ -25,6 +25,7 @@ class TokenBytes:
         self._ll: object | None = None
         self._ready = False
         self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._own = getattr(tokenizer, "token_bytes", None)  # tokenizers that know them (random models')
 
     def _vocabulary(self):
         if not self._ready:
@@ -36,9 +37,8 @@ class TokenBytes:
         return self._ll
 
     def __call__(self, token: int) -> bytes:
-        own = getattr(self.tokenizer, "token_bytes", None)  # tokenizers that know them (random models')
-        if own is not None:
-            return own(token)
+        if self._own is not None:
+            return self._own(token)
         ll = self._vocabulary()
         if ll is not None and token not in self.special:
             return ll.decode_bytes([token])  # type: ignore[attr-defined]
