@@ -391,6 +391,11 @@ if triton is not None:
         if FP32_DOT:  # the interpreter computes bf16 dots wrongly
             k, v = k.to(tl.float32), v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        return _online_softmax(scores, v, seen, m_i, l_i, acc, MASKED, PRECISION)
+
+    @triton.jit
+    def _online_softmax(scores, v, seen, m_i, l_i, acc, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+        # a block of scores [rows, keys] and their values [keys, dims] into the running softmax
         if MASKED:
             scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -400,6 +405,45 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _attention_write(
+        acc,
+        m_i,
+        l_i,
+        b,
+        split,
+        head,
+        t,
+        used,
+        acc_ptr,
+        ml_ptr,
+        out_ptr,
+        T,
+        SPLITS,
+        o_sb,
+        o_st,
+        o_sh,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        DIRECT: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # a program's rows (query head `head` of token `t`) after its chunk of keys: the output, when one
+        # chunk holds every key, or the chunk's unnormalised softmax for _attention_combine_kernel
+        d = tl.arange(0, BLOCK_D)
+        if DIRECT:  # one chunk holds every key: this is the softmax, written as the output
+            o = acc / tl.where(used, l_i, 1.0)[:, None]  # padding rows: no 0 / 0
+            out = out_ptr + b * o_sb + t[:, None] * o_st + head[:, None] * o_sh + d[None, :]
+            tl.store(out, o.to(out_ptr.dtype.element_ty), mask=used[:, None] & (d[None, :] < D))
+        else:
+            part = ((b * H + head) * SPLITS + split) * T + t  # [bs, heads, splits, T]
+            # a row that saw no key of this chunk (every row, in chunks past the extent) leaves its acc
+            # unwritten: the combine kernel does not read it
+            seen_any = used & (m_i != float("-inf"))
+            tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=seen_any[:, None])
+            tl.store(ml_ptr + part * 2, m_i, mask=used)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=used)
 
     @triton.jit
     def _attention_partial_kernel(
@@ -516,18 +560,28 @@ if triton is not None:
             k = tl.load(kbase + slot[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
             v = tl.load(vbase + slot[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
             m_i, l_i, acc = _attention_step(q, k, v, seen, m_i, l_i, acc, scale, True, FP32_DOT, PRECISION)
-        if DIRECT:  # one chunk holds every key: this is the softmax, written as the output
-            o = acc / tl.where(used, l_i, 1.0)[:, None]  # padding rows: no 0 / 0
-            out = out_ptr + b * o_sb + t[:, None] * o_st + head[:, None] * o_sh + d[None, :]
-            tl.store(out, o.to(out_ptr.dtype.element_ty), mask=used[:, None] & (d[None, :] < D))
-        else:
-            part = ((b * H + head) * SPLITS + split) * T + t  # [bs, heads, splits, T]
-            # a row that saw no key of this chunk (every row, in chunks past the extent) leaves its acc
-            # unwritten: the combine kernel does not read it
-            seen_any = used & (m_i != float("-inf"))
-            tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=seen_any[:, None])
-            tl.store(ml_ptr + part * 2, m_i, mask=used)
-            tl.store(ml_ptr + part * 2 + 1, l_i, mask=used)
+        _attention_write(
+            acc,
+            m_i,
+            l_i,
+            b,
+            split,
+            head,
+            t,
+            used,
+            acc_ptr,
+            ml_ptr,
+            out_ptr,
+            T,
+            SPLITS,
+            o_sb,
+            o_st,
+            o_sh,
+            H,
+            D,
+            DIRECT,
+            BLOCK_D,
+        )
 
     @triton.jit
     def _mask_bounds_kernel(
@@ -1243,6 +1297,28 @@ def mask_bounds(mask: Tensor) -> Tensor:
     return bounds
 
 
+def combine_chunks(acc: Tensor, ml: Tensor, out: Tensor, splits: int) -> None:
+    """Write out [bs, T, heads, D] from the chunks' unnormalised softmaxes: acc [bs * heads * splits * T,
+    BLOCK_D] and their row max and sum ml [.., 2], in _attention_write's layout (flash-decoding's merge)."""
+    bs, T, heads, hd = out.shape
+    block_d = acc.shape[1]
+    _attention_combine_kernel[(bs * heads, T)](
+        acc,
+        ml,
+        out,
+        T,
+        splits,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        H=heads,
+        D=hd,
+        S_PAD=triton.next_power_of_2(splits),
+        BLOCK_D=block_d,
+        num_warps=1 if block_d <= 64 else 2 if block_d <= 128 else 4,
+    )
+
+
 def attention(
     q: Tensor,
     k_cache: Tensor,
@@ -1340,19 +1416,5 @@ def attention(
         num_stages=num_stages,
     )
     if not direct:
-        _attention_combine_kernel[(bs * heads, T)](
-            acc,
-            ml,
-            out,
-            T,
-            splits,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            H=heads,
-            D=hd,
-            S_PAD=triton.next_power_of_2(splits),
-            BLOCK_D=block_d,
-            num_warps=1 if block_d <= 64 else 2,
-        )
+        combine_chunks(acc, ml, out, splits)
     return out.view(bs, T, heads * hd)
