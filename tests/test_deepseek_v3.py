@@ -344,6 +344,50 @@ def test_greedy_equals_ar_random_drafter(mla, mla_drafter, method, budget):
     assert [eng.generate([p], sp)[0].token_ids for p in PROMPTS] == ref
 
 
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("through_sdpa", [False, True])
+def test_triton_backend_equals_the_reference_and_stays_lossless(monkeypatch, through_sdpa):
+    """On the Triton backend (the interpreter on CPU) MLA attends through mla_kernels.latent_attention
+    (or, past TritonLatentAttention.max_tokens query tokens, SDPA over gathered latents): a prefill and a
+    tree verify give the reference's logits (fp32), and greedy ddtree and dflash emit plain decoding's
+    tokens over paged rows in reverse order."""
+    from ddtree.runtime.fused import TritonLatentAttention, use_backend
+
+    if through_sdpa:
+        monkeypatch.setattr(TritonLatentAttention, "max_tokens", 0)
+    target = tiny_mla(seed=4)
+    prefix = torch.randint(0, target.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
+    tree = build_ddtree(torch.tensor([4, 6]), 2 * torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(6)), 16)
+    L, n = prefix.shape[1], tree.size
+    rows = torch.tensor([1, 0])
+
+    def logits(backend: str) -> torch.Tensor:
+        use_backend(target, backend)
+        target.setup_caches(max_batch=2, max_slots=32)
+        j = torch.arange(L)
+        verify_mask = tree_mask(torch.tensor([L, L]), tree.visible, L + n)
+        with torch.no_grad():
+            first, _ = target(prefix.flip(0), j.expand(2, -1), j.expand(2, -1), causal(L).expand(2, 1, L, L), rows=rows)
+            slots = L + torch.arange(n).expand(2, -1)
+            second, _ = target(tree.tokens, L + tree.depth, slots, verify_mask, rows=rows)
+        return torch.cat([first, second], dim=1)
+
+    expect = logits("reference")
+    got = logits("triton")
+    assert isinstance(target.model.layers[0].self_attn, TritonLatentAttention)
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+    sp = SamplingParams(max_new_tokens=12)
+    plain = Engine(target, None, "ar", max_batch_size=3, max_seq_len=64).generate(PROMPTS, sp)
+    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=8), seed=1)
+    use_backend(target, "reference")
+    ref = Engine(target, None, "ar", max_batch_size=3, max_seq_len=64).generate(PROMPTS, sp)
+    assert [r.token_ids for r in plain] == [r.token_ids for r in ref]
+    use_backend(target, "triton")
+    for method, budget in (("ddtree", 12), ("dflash", None)):
+        eng = Engine(target, drafter, method, budget, max_batch_size=3, max_seq_len=64)
+        assert [r.token_ids for r in eng.generate(PROMPTS, sp)] == [r.token_ids for r in ref], method
+
+
 # ---- tensor parallelism --------------------------------------------------------------------------
 
 TP_METHODS = [("ar", None), ("dflash", None), ("ddtree", 8)]

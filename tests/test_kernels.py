@@ -12,9 +12,11 @@ bf16 tolerances allow a unit in the last place either way.
 import copy
 import dataclasses
 import functools
+import inspect
 import itertools
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -179,6 +181,22 @@ def check_add_rms_norm(device, dtype, n):
     assert torch.equal(x, x.clone()) and normed.data_ptr() != x.data_ptr() != res.data_ptr()
 
 
+def attention_masks(g: torch.Generator, bs: int, T: int, span: int, broadcast: bool, device) -> list[Tensor]:
+    """[bs or 1, 1, T, span] masks for the attention kernels: random; the same cut at a live length per
+    sequence, as in a graph's span bucket (whole key chunks that no row sees, which the kernels skip); and
+    a verify's (committed text every query sees, then the tree's slots, then slots past it)."""
+    mask = torch.rand(1 if broadcast else bs, 1, T, span, generator=g) < 0.6
+    mask[..., 0] = True  # every query sees a key (as in the engine: itself at least)
+    cut = mask.clone()
+    for b in range(cut.shape[0]):
+        cut[b, ..., 1 + b + span // 4 :] = False
+    tree = mask.clone()
+    for b in range(tree.shape[0]):
+        tree[b, ..., : span // 2 + 3 * b + 5] = True
+        tree[b, ..., span // 2 + 3 * b + 5 + T :] = False
+    return [mask.to(device), cut.to(device), tree.to(device)]
+
+
 def check_attention(device, dtype, cases):
     """The chunked attention equals SDPA over the cache rows and span the mask selects, the rows' slots
     scattered over the physical pool by a random slot map."""
@@ -193,21 +211,9 @@ def check_attention(device, dtype, cases):
         slot_map = torch.randperm(pool, generator=g)[: max_batch * slots].view(max_batch, slots)
         slot_map = slot_map.to(device, torch.int32)
         q = torch.randn(bs, heads, T, hd, generator=g).to(device, dtype)
-        mask = torch.rand(1 if broadcast else bs, 1, T, span, generator=g) < 0.6
-        mask[..., 0] = True  # every query sees a key (as in the engine: itself at least)
-        # then the same mask cut at a live length per sequence, as in a graph's span bucket: whole key
-        # chunks that no row sees (which the kernel skips)
-        cut = mask.clone()
-        for b in range(cut.shape[0]):
-            cut[b, ..., 1 + b + span // 4 :] = False
-        # and a verify's: committed text every query sees, then the tree's slots, then slots past it
-        tree = mask.clone()
-        for b in range(tree.shape[0]):
-            tree[b, ..., : span // 2 + 3 * b + 5] = True
-            tree[b, ..., span // 2 + 3 * b + 5 + T :] = False
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
         # chunks by attention_launch, then one chunk for every key (the output written without a combine)
-        for m, chunk in itertools.product((mask.to(device), cut.to(device), tree.to(device)), (None, 2 * span)):
+        for m, chunk in itertools.product(attention_masks(g, bs, T, span, broadcast, device), (None, 2 * span)):
             out = attention(q, kc, vc, slot_map, m, rows, chunk=chunk)
             sel = rows if rows_given else torch.arange(bs, device=device)
             table = slot_map[sel, :span]
@@ -220,6 +226,87 @@ def check_attention(device, dtype, cases):
             )
             assert out.shape == (bs, T, heads * hd) and out.dtype == dtype
             torch.testing.assert_close(out.float(), ref.transpose(1, 2).reshape(bs, T, -1), **TOL[dtype])
+
+
+def check_latent_attention(device, dtype, cases):
+    """MLA's kernel equals SDPA of every head over the latents the mask selects (keys: compressed kv and
+    RoPE key; values: the compressed kv), the rows' slots scattered over the pool by a random slot map."""
+    from ddtree.runtime.mla_kernels import latent_attention
+
+    g = torch.Generator().manual_seed(11)
+    for bs, heads, T, rank, rope, span, rows_given, broadcast in cases:
+        max_batch, slots = bs + 1, span + 9
+        pool = max_batch * slots + 5
+        latent = torch.randn(pool, rank + rope, generator=g).to(device, dtype)
+        slot_map = torch.randperm(pool, generator=g)[: max_batch * slots].view(max_batch, slots)
+        slot_map = slot_map.to(device, torch.int32)
+        q = torch.randn(bs, heads, T, rank + rope, generator=g).to(device, dtype)
+        rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
+        scale = 0.7 * (rank + rope) ** -0.5  # not the kernel's default: YaRN's mscale changes it
+        for m, chunk in itertools.product(attention_masks(g, bs, T, span, broadcast, device), (None, 2 * span)):
+            out = latent_attention(q, latent, slot_map, m, rows, rank, scale, chunk=chunk)
+            sel = rows if rows_given else torch.arange(bs, device=device)
+            keys = latent[slot_map[sel, :span]].float()[:, None]  # [bs, 1, span, rank + rope]
+            ref = F.scaled_dot_product_attention(
+                q.float(), keys, keys[..., :rank], attn_mask=m, scale=scale, enable_gqa=True
+            )
+            assert out.shape == (bs, T, heads, rank) and out.dtype == dtype
+            torch.testing.assert_close(out.float(), ref.transpose(1, 2), **TOL[dtype])
+
+
+def check_latent_rope_cache(device, dtype, cases):
+    """TritonLatentAttention's rotate-and-cache step (mla_kernels.latent_rope_cache) writes the reference's
+    latents at the tokens' slots and returns its absorbed queries, with and without interleaved RoPE."""
+    from ddtree.models import deepseek_v3
+    from ddtree.models.layers import rope_cos_sin, rope_inv_freq
+    from ddtree.runtime.fused import TritonLatentAttention, swap
+
+    for heads, nope, rope, rank, T, interleave in cases:
+        torch.manual_seed(heads + T)
+        cfg = deepseek_v3.ModelConfig(
+            vocab_size=32,
+            hidden_size=64,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=heads,
+            q_lora_rank=None,
+            kv_lora_rank=rank,
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=16,
+            n_routed_experts=2,
+            n_shared_experts=1,
+            num_experts_per_tok=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.0,
+            rope_interleave=interleave,
+        )
+        attn = deepseek_v3.Attention(cfg)
+        with torch.no_grad():
+            for p in attn.parameters():
+                p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
+        attn = attn.to(device, dtype)
+        bs, pool = 2, 40
+        q = torch.randn(bs, T, heads, nope + rope).to(device, dtype)
+        kv = torch.randn(bs, T, rank + rope).to(device, dtype)
+        positions = torch.randint(0, 500, (bs, T)).to(device)
+        cos, sin = rope_cos_sin(rope_inv_freq(rope, 10000.0, None).to(device), positions, dtype, 1.1)
+        slots = torch.randperm(pool)[: bs * T].view(bs, T).to(device)
+        caches = []
+        for cls in (deepseek_v3.Attention, TritonLatentAttention):
+            swap(attn, cls)
+            attn.cache = deepseek_v3.LatentCache(torch.zeros(pool + 1, rank + rope, device=device, dtype=dtype), None)
+            with torch.no_grad():
+                out = attn.rotate_and_cache(q, kv, cos, sin, slots, None)
+            caches.append((out, attn.cache.latent))
+        (ref, ref_cache), (got, got_cache) = caches
+        assert got.shape == (bs, heads, T, rank + rope) and got.dtype == dtype
+        torch.testing.assert_close(got, ref, **TOL[dtype])
+        torch.testing.assert_close(got_cache, ref_cache, **TOL[dtype])
+        untouched = torch.ones(pool + 1, dtype=torch.bool, device=device)
+        untouched[slots.flatten()] = False
+        assert not got_cache[untouched].any()
 
 
 def check_mask_bounds(device):
@@ -569,6 +656,34 @@ def test_attention(dtype):
     check_attention("cpu", dtype, ATTENTION_CASES)
 
 
+LATENT_CASES = [  # (bs, heads, T, kv_lora_rank, rope dims, span, rows given, mask broadcast over the batch)
+    (2, 4, 5, 32, 16, 200, False, False),
+    (1, 8, 33, 32, 16, 130, False, True),  # 264 rows: 17 tiles of 16
+    (3, 16, 1, 64, 16, 64, True, False),  # decode steps
+    (1, 3, 9, 48, 24, 300, True, False),  # a rank and RoPE width short of a power of two
+    (2, 8, 1, 512, 64, 40, False, False),  # Kimi K2's latent over 8 ranks (8 heads each)
+]
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_attention(dtype):
+    check_latent_attention("cpu", dtype, LATENT_CASES)
+
+
+LATENT_ROPE_CASES = [  # (heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, T, interleaved RoPE)
+    (4, 16, 16, 32, 5, True),
+    (20, 8, 16, 48, 1, False),  # two programs of heads, the second 4 of 16; a rank short of a power of two
+    (8, 128, 64, 512, 3, True),  # Kimi K2's sizes over 8 ranks
+]
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_rope_cache(dtype):
+    check_latent_rope_cache("cpu", dtype, LATENT_ROPE_CASES)
+
+
 @interp
 def test_mask_bounds():
     check_mask_bounds("cpu")
@@ -772,7 +887,7 @@ def test_bench_micro_kernels_flag_on_cpu():
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles, outside the interpreter")
-def test_kernels_compile_for_h200_without_a_gpu():
+def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
     """Ahead-of-time compilation to an sm_90 cubin (ptxas ships with triton): catches what the lenient
     interpreter lets through (types, constexpr branches), and checks bf16 stores round to nearest."""
     triton = pytest.importorskip("triton")
@@ -780,14 +895,15 @@ def test_kernels_compile_for_h200_without_a_gpu():
     from triton.compiler import ASTSource
 
     from ddtree.runtime import kernels as K
+    from ddtree.runtime import mla_kernels as M
 
-    def compile_(fn, dtype, ints, consts, warps):
+    def compile_(fn, dtype, ints, consts, warps, stages=3):
         sig = {
             n: "constexpr" if n in consts else ints.get(n, "*" + dtype if n.endswith("_ptr") else "i64")
             for n in fn.arg_names
         }
         src = ASTSource(fn, sig, constexprs=consts)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
     for dtype in ("bf16", "fp32"):
         for norm in (False, True):
@@ -932,6 +1048,67 @@ def test_kernels_compile_for_h200_without_a_gpu():
             dict(H=32, D=128, S_PAD=16, BLOCK_D=128),
             2,
         )
+        # MLA at Kimi K2's sizes (8 heads a rank under TP=8, 64 on one GPU), with latent_attention's
+        # default tiles: its shared memory fits an H200's 227 KiB a block, and ptxas spills no register
+        tiles = inspect.signature(M.latent_attention).parameters
+        block_m, block_n, warps, stages = (tiles[n].default for n in ("block_m", "block_n", "num_warps", "num_stages"))
+        for heads, direct in ((8, False), (64, True)):
+            latent = compile_(
+                M._latent_attention_kernel,
+                dtype,
+                dict(
+                    map_ptr="*i32",
+                    mask_ptr="*i8",
+                    bounds_ptr="*i32",
+                    rows_ptr="*i64",
+                    acc_ptr="*fp32",
+                    ml_ptr="*fp32",
+                    T="i32",
+                    span="i32",
+                    scale="fp32",
+                    SPLITS="i32",
+                    ROW_BLOCKS="i32",
+                    CHUNK="i32",
+                ),
+                dict(
+                    H=heads,
+                    RANK=512,
+                    ROPE=64,
+                    DIRECT=direct,
+                    BLOCK_M=block_m,
+                    BLOCK_N=block_n,
+                    BLOCK_R=512,
+                    BLOCK_P=64,
+                    HAS_ROWS=True,
+                    FP32_DOT=False,
+                    PRECISION="ieee" if dtype == "fp32" else "tf32",
+                ),
+                warps,
+                stages,
+            )
+            assert latent.metadata.shared <= 227 * 1024, latent.metadata.shared
+            ptx = tmp_path / "latent.ptx"
+            ptx.write_text(latent.asm["ptx"])
+            ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+            report = subprocess.run(
+                [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull], capture_output=True, text=True
+            )
+            assert report.returncode == 0 and "0 bytes spill stores" in report.stderr, report.stderr
+        compile_(
+            K._attention_combine_kernel,
+            dtype,
+            dict(acc_ptr="*fp32", ml_ptr="*fp32", T="i32", SPLITS="i32"),
+            dict(H=8, D=512, S_PAD=16, BLOCK_D=512),
+            4,
+        )
+        for interleave in (False, True):
+            compile_(
+                M._latent_rope_cache_kernel,
+                dtype,
+                dict(slots_ptr="*i64", T="i32", eps="fp32"),
+                dict(H=8, NOPE=128, RANK=512, HALF=32, QH=8, BLOCK_R=512, BLOCK=32, INTERLEAVE=interleave),
+                4,
+            )
         assert k.asm["cubin"]
         if dtype == "bf16":
             assert "cvt.rn.bf16.f32" in k.asm["ptx"]
@@ -968,6 +1145,17 @@ def test_compiled_kernels_equal_the_reference(dtype):
     check_walk("cuda")
     check_move_slots("cuda", dtype)
     check_mask_bounds("cuda")
+    check_latent_rope_cache("cuda", dtype, LATENT_ROPE_CASES + [(64, 128, 64, 512, 33, True)])
+    check_latent_attention(
+        "cuda",
+        dtype,
+        LATENT_CASES
+        + [
+            (1, 8, 33, 512, 64, 1152, False, False),  # Kimi K2 over 8 ranks: a B=32 verify
+            (16, 8, 1, 512, 64, 1152, True, False),  # decode steps at batch 16
+            (2, 64, 9, 512, 64, 700, False, True),  # all 64 heads on one GPU
+        ],
+    )
     check_attention(
         "cuda",
         dtype,

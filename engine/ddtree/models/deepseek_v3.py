@@ -494,9 +494,12 @@ class Attention(StepAttention):
         c_kv, k_rope = kv.split([self.rank, self.rope], dim=-1)
         k_rope = self._rotate(k_rope[:, None], cos, sin)[:, 0]  # one key shared by the heads
         self.cache.update(slots, torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1))
+        return torch.cat([self.absorb(q_nope), self._rotate(q_rope.transpose(1, 2), cos, sin)], dim=-1)
+
+    def absorb(self, q_nope: Tensor) -> Tensor:
+        """W_uk per head: q_nope [bs, T, heads, qk_nope_head_dim] -> [bs, heads, T, kv_lora_rank]."""
         w_uk, _ = self._kv_b()
-        q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk)
-        return torch.cat([q_latent, self._rotate(q_rope.transpose(1, 2), cos, sin)], dim=-1)
+        return torch.einsum("bthn,hnr->bhtr", q_nope, w_uk)
 
     def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
         """Every head over the cached latents (keys: all of them; values: the compressed kv), then W_uv:
@@ -506,8 +509,14 @@ class Attention(StepAttention):
         out = F.scaled_dot_product_attention(
             q, latent, latent[..., : self.rank], attn_mask=mask, scale=self.scale, enable_gqa=True
         )
+        return self.values(out.transpose(1, 2))
+
+    def values(self, out: Tensor) -> Tensor:
+        """W_uv per head: attention over the compressed kv [bs, T, heads, kv_lora_rank] -> [bs, T, heads *
+        v_head_dim]."""
+        bs, T, _, _ = out.shape
         _, w_uv = self._kv_b()
-        return torch.einsum("bhtr,hvr->bthv", out, w_uv).reshape(bs, T, self.n_heads * self.v_dim)
+        return torch.einsum("bthr,hvr->bthv", out, w_uv).reshape(bs, T, self.n_heads * self.v_dim)
 
 
 def decoder_layer(cfg: ModelConfig, index: int) -> llama.DecoderLayer:

@@ -7,9 +7,10 @@ of two backends, chosen once per model by `use_backend`:
   parameter names and state dicts stay Hugging Face's and no memory is duplicated); the rest as the
   reference.
 - "triton": the same GEMMs plus the Triton kernels of ddtree.runtime.kernels: q/k norm + RoPE + cache
-  write in one kernel, tree attention, each residual add fused with the RMSNorm after it, and per shape
-  bucket GEMV (one row) or skinny GEMMs (2-64 rows) for some projections. The shape buckets are data on
-  the modules below (class attributes), measured on an H200 (docs/engine.md, "Fused kernels").
+  write in one kernel, tree attention (MLA's over the latent cache: mla_kernels), each residual add fused
+  with the RMSNorm after it, and per shape bucket GEMV (one row) or skinny GEMMs (2-64 rows) for some
+  projections. The shape buckets are data on the modules below (class attributes), measured on an H200
+  (docs/engine.md, "Fused kernels").
 
 A swapped module keeps its parameters; moving or casting a model (Module.to) re-creates them, so a fused
 module then turns back into its reference class, and the next Engine swaps it in again.
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..models import deepseek_v3
 from ..models.layers import MLP, RMSNorm, concat_views
 from ..models.llama import Attention, DecoderLayer, Transformer
 from ..models.moe import SparseMoE
@@ -32,6 +34,7 @@ from ..speculative.drafter import DFlashDrafter, DrafterAttention, DrafterLayer
 from ..speculative.tree import Tree, build_ddtree
 from ..speculative.verify import Walk, walk
 from . import kernels
+from .mla_kernels import latent_attention, latent_rope_cache
 from .moe_kernels import moe_experts
 from .quant_kernels import fp8_block_linear, int4_linear, moe_experts_int4
 
@@ -245,10 +248,51 @@ class TritonDecoderLayer(_Swapped, DecoderLayer):
         return x, h
 
 
+class TritonLatentAttention(_Swapped, deepseek_v3.Attention):
+    """MLA (DeepSeek-V3, Kimi K2) through mla_kernels: the norm, RoPE, cache write and query assembly in
+    one launch (latent_rope_cache), and the attention (latent_attention) reading the latent cache in place
+    for up to max_tokens query tokens a sequence (decode steps and trees); longer prefill chunks attend
+    through the reference's SDPA over gathered latents. The projections stay the reference's (quantized
+    ones included: kv_b_proj is dequantized where it is used)."""
+
+    reference = deepseek_v3.Attention
+    takes_quantized = True
+    max_tokens = TritonAttention.max_tokens
+
+    def uses_tree_attention(self, bs: int, T: int) -> bool:
+        return T <= self.max_tokens
+
+    def metadata(self, mask: Tensor) -> Tensor | None:
+        bs, _, T, _ = mask.shape
+        return kernels.mask_bounds(mask) if self.uses_tree_attention(bs, T) else None
+
+    def rotate_and_cache(
+        self, q: Tensor, kv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, rows: Tensor | None
+    ) -> Tensor:
+        assert self.cache is not None
+        norm, q_latent = self.kv_a_layernorm, self.absorb(q[..., : self.nope])
+        return latent_rope_cache(
+            q, kv, q_latent, cos, sin, norm.weight, norm.eps, self.cache.latent, slots, self.interleave
+        )
+
+    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
+        bs, _, T, _ = q.shape
+        if not self.uses_tree_attention(bs, T):
+            return super().attend(q, mask, rows, meta)
+        assert self.cache is not None
+        cache = self.cache
+        return self.values(latent_attention(q, cache.latent, cache.slot_map, mask, rows, self.rank, self.scale, meta))
+
+
 SWAPS: dict[str, dict[type[nn.Module], type[nn.Module]]] = {  # backend -> {reference class: its fused class}
     "reference": {},
     "torch": {Attention: FusedAttention, MLP: FusedMLP},
-    "triton": {Attention: TritonAttention, MLP: TritonMLP, DecoderLayer: TritonDecoderLayer},
+    "triton": {
+        Attention: TritonAttention,
+        deepseek_v3.Attention: TritonLatentAttention,
+        MLP: TritonMLP,
+        DecoderLayer: TritonDecoderLayer,
+    },
 }
 
 
