@@ -344,6 +344,45 @@ def test_greedy_equals_ar_random_drafter(mla, mla_drafter, method, budget):
     assert [eng.generate([p], sp)[0].token_ids for p in PROMPTS] == ref
 
 
+@pytest.mark.parametrize(
+    "overrides, fused",
+    [
+        (dict(), True),  # q_a_proj and kv_a_proj_with_mqa
+        (dict(attention_bias=True), True),  # with their biases
+        (dict(q_lora_rank=None), True),  # q_proj and kv_a_proj_with_mqa
+        (dict(q_lora_rank=None, attention_bias=True), False),  # q_proj has no bias, kv_a has one: apart
+    ],
+)
+def test_torch_backend_projects_q_and_the_latent_in_one_gemm(overrides, fused):
+    """On the torch backend MLA's two input projections become views of one weight (and bias): the
+    logits and the state dict are the reference's, and moving the model turns the module back."""
+    from ddtree.runtime.fused import FusedLatentAttention, use_backend
+
+    target = tiny_mla(seed=5, **overrides)
+    ids = torch.tensor([PROMPTS[2]])
+    n = ids.shape[1]
+    j = torch.arange(n)[None]
+
+    def run() -> torch.Tensor:
+        target.setup_caches(1, n)
+        with torch.no_grad():
+            return target(ids, j, j, causal(n))[0]
+
+    expect, state = run(), {k: v.clone() for k, v in target.state_dict().items()}
+    use_backend(target, "torch")
+    attn = target.model.layers[1].self_attn
+    assert isinstance(attn, FusedLatentAttention) and (attn.w_a is not None) == fused
+    if fused:
+        q = attn.q_a_proj if attn.low_rank_q else attn.q_proj
+        assert q.weight.data_ptr() == attn.w_a.data_ptr()
+        assert attn.kv_a_proj_with_mqa.weight.data_ptr() == attn.w_a[q.out_features :].data_ptr()
+    torch.testing.assert_close(run(), expect, atol=1e-5, rtol=1e-5)
+    assert target.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in target.state_dict().items())
+    target.to(torch.float64)
+    assert type(target.model.layers[1].self_attn) is not FusedLatentAttention and attn.w_a is None
+
+
 @pytest.mark.triton_interpreter
 @pytest.mark.parametrize("through_sdpa", [False, True])
 def test_triton_backend_equals_the_reference_and_stays_lossless(monkeypatch, through_sdpa):

@@ -248,15 +248,47 @@ class TritonDecoderLayer(_Swapped, DecoderLayer):
         return x, h
 
 
-class TritonLatentAttention(_Swapped, deepseek_v3.Attention):
-    """MLA (DeepSeek-V3, Kimi K2) through mla_kernels: the norm, RoPE, cache write and query assembly in
-    one launch (latent_rope_cache), and the attention (latent_attention) reading the latent cache in place
-    for up to max_tokens query tokens a sequence (decode steps and trees); longer prefill chunks attend
-    through the reference's SDPA over gathered latents. The projections stay the reference's (quantized
-    ones included: kv_b_proj is dequantized where it is used)."""
+class FusedLatentAttention(_Swapped, deepseek_v3.Attention):
+    """MLA's two projections of the layer input, the query's (q_a_proj, or q_proj) and the latent's
+    (kv_a_proj_with_mqa), as one GEMM over a weight (and bias) they become views of, w_a: the input is
+    read once and one launch goes. Quantized projections, or a bias on only one of them, stay apart."""
 
     reference = deepseek_v3.Attention
-    takes_quantized = True
+    takes_quantized = True  # what is quantized keeps its own module
+    w_a: Tensor | None = None
+    b_a: Tensor | None = None
+
+    def _input_projections(self) -> tuple[nn.Module, nn.Module]:
+        return self.q_a_proj if self.low_rank_q else self.q_proj, self.kv_a_proj_with_mqa
+
+    def adopt(self) -> None:
+        q, kv = self._input_projections()
+        if not (type(q) is type(kv) is nn.Linear and (q.bias is None) == (kv.bias is None)):
+            return
+        self.w_a = concat_views([q.weight, kv.weight])
+        self.b_a = concat_views([q.bias, kv.bias]) if q.bias is not None else None
+
+    def drop(self) -> None:
+        self.w_a = self.b_a = None
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.w_a is None:
+            return super().project(x)
+        bs, T, _ = x.shape
+        latent = self.kv_a_proj_with_mqa.out_features
+        q, kv = F.linear(x, self.w_a, self.b_a).split([self.w_a.shape[0] - latent, latent], dim=-1)
+        if self.low_rank_q:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q.view(bs, T, self.n_heads, self.nope + self.rope), kv
+
+
+class TritonLatentAttention(FusedLatentAttention):
+    """MLA (DeepSeek-V3, Kimi K2): FusedLatentAttention's input GEMM, then mla_kernels: the norm, RoPE,
+    cache write and query assembly in one launch (latent_rope_cache), and the attention (latent_attention)
+    reading the latent cache in place for up to max_tokens query tokens a sequence (decode steps and
+    trees); longer prefill chunks attend through the reference's SDPA over gathered latents. The other
+    projections stay the reference's (kv_b_proj, quantized or not, is dequantized where it is used)."""
+
     max_tokens = TritonAttention.max_tokens
 
     def uses_tree_attention(self, bs: int, T: int) -> bool:
@@ -286,7 +318,7 @@ class TritonLatentAttention(_Swapped, deepseek_v3.Attention):
 
 SWAPS: dict[str, dict[type[nn.Module], type[nn.Module]]] = {  # backend -> {reference class: its fused class}
     "reference": {},
-    "torch": {Attention: FusedAttention, MLP: FusedMLP},
+    "torch": {Attention: FusedAttention, deepseek_v3.Attention: FusedLatentAttention, MLP: FusedMLP},
     "triton": {
         Attention: TritonAttention,
         deepseek_v3.Attention: TritonLatentAttention,
