@@ -243,7 +243,8 @@ def check_latent_attention(device, dtype, cases):
         q = torch.randn(bs, heads, T, rank + rope, generator=g).to(device, dtype)
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
         scale = 0.7 * (rank + rope) ** -0.5  # not the kernel's default: YaRN's mscale changes it
-        for m, chunk in itertools.product(attention_masks(g, bs, T, span, broadcast, device), (None, 2 * span)):
+        # the default chunks, short ones (more splits to merge), and one chunk for every key
+        for m, chunk in itertools.product(attention_masks(g, bs, T, span, broadcast, device), (None, 32, 2 * span)):
             out = latent_attention(q, latent, slot_map, m, rows, rank, scale, chunk=chunk)
             sel = rows if rows_given else torch.arange(bs, device=device)
             keys = latent[slot_map[sel, :span]].float()[:, None]  # [bs, 1, span, rank + rope]
@@ -682,6 +683,17 @@ LATENT_ROPE_CASES = [  # (heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_ran
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_latent_rope_cache(dtype):
     check_latent_rope_cache("cpu", dtype, LATENT_ROPE_CASES)
+
+
+def test_latent_partials_fit_the_memory_plans_attention_workspace():
+    """At Kimi K2's rank (512), for every launch shape of decode steps and trees, latent_attention's chunks
+    are long enough that its partial sums take no more per key and row than the memory plan counts."""
+    from ddtree.models.memory import ATTENTION_BYTES_PER_SCORE
+    from ddtree.runtime.mla_kernels import latent_chunk
+
+    pytest.importorskip("triton")
+    for T, programs, span in itertools.product((1, 9, 33), (1, 17, 64, 136, 600), (1024, 262144)):
+        assert 512 * 4 / latent_chunk(T, programs, span, 512) <= ATTENTION_BYTES_PER_SCORE, (T, programs, span)
 
 
 @interp

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..models.memory import ATTENTION_BYTES_PER_SCORE
 from . import kernels
 from .kernels import triton
 
@@ -269,6 +270,15 @@ if triton is not None:
         )
 
 
+def latent_chunk(T: int, row_programs: int, span: int, rank: int) -> int:
+    """Key slots per program of `latent_attention`: kernels.attention_launch's, but no shorter than what
+    keeps the partial sums (`rank` fp32 values per row and chunk) within the memory plan's workspace for
+    attention, ATTENTION_BYTES_PER_SCORE per key and row: 256 slots for a rank of 512, where the dense
+    kernel's 128 dims already meet that at its shortest chunk of 64."""
+    floor = -(-triton.next_power_of_2(rank) * 4 // ATTENTION_BYTES_PER_SCORE)
+    return max(kernels.attention_launch(T, row_programs, span)[0], triton.next_power_of_2(floor))
+
+
 def latent_attention(
     q: Tensor,
     latent: Tensor,
@@ -291,7 +301,7 @@ def latent_attention(
     [bs, 1, T, span] bool (broadcast strides are fine) over the first `span` logical slots; rows [bs]
     cache rows (None: 0..bs-1); bounds: kernels.mask_bounds(mask) (computed here when None). Returns
     softmax(q k^T * scale) @ compressed kv as [bs, T, heads, rank], for W_uv to map per head.
-    `chunk` (default: kernels.attention_launch), block_m, block_n, num_warps and num_stages are tuning
+    `chunk` (default: latent_chunk), block_m, block_n, num_warps and num_stages are tuning
     knobs."""
     bs, heads, T, dim = q.shape
     span = mask.shape[-1]
@@ -305,7 +315,7 @@ def latent_attention(
     block_m = min(block_m, max(16, triton.next_power_of_2(heads * T)))
     block_r = max(16, triton.next_power_of_2(rank))
     row_blocks = triton.cdiv(heads * T, block_m)
-    chunk = chunk or kernels.attention_launch(T, bs * row_blocks, span)[0]
+    chunk = chunk or latent_chunk(T, bs * row_blocks, span, rank)
     splits = triton.cdiv(span, chunk)
     direct = splits == 1
     # the chunks' partial softmaxes (unused when one chunk holds every key)
