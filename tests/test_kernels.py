@@ -697,6 +697,21 @@ def test_latent_partials_fit_the_memory_plans_attention_workspace():
 
 
 @interp
+def test_attention_sweeps_check_each_configuration(monkeypatch):
+    """bench.latent_sweep and bench.attention_sweep (GPU tools) on CPU, their timer stubbed: every
+    configuration runs and is checked against the default's output, and MLA's default against SDPA over
+    the gathered latents."""
+    from ddtree.runtime import bench
+
+    monkeypatch.setattr(bench, "_device_ms", lambda fn: (fn(), 1.0)[1])
+    (row,) = bench.latent_sweep("cpu", shapes=[(2, 3, 40, 300)], heads=(4,), block_ms=(16,), warps=(4,))
+    assert row["gathered_sdpa_ms"] == row["default_ms"] == 1.0
+    assert [(c["chunk"], c["block_n"]) for c in row["configs"]] == [(256, 16), (256, 32), (512, 16), (512, 32)]
+    (row,) = bench.attention_sweep("cpu", shapes=[(1, 3, 40, 100)], max_rows=(16,), stages=(2,))
+    assert [c["chunk"] for c in row["configs"]] == [64, 128] and row["default_ms"] == 1.0
+
+
+@interp
 def test_mask_bounds():
     check_mask_bounds("cpu")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import SpeculationConfig
@@ -402,29 +403,19 @@ def attention_sweep(
         k = torch.randn(kv_heads, batch * span + 1, hd, device=device, dtype=torch.bfloat16, generator=g)
         v = torch.randn_like(k)
         slot_map = identity_slot_map(batch, span, device)
-        j = torch.arange(span, device=device)
-        t = torch.arange(T, device=device)
-        mask = (j[None, :] < context) | ((j[None, :] >= context) & (j[None, :] - context <= t[:, None]))
-        mask = mask.view(1, 1, T, span).expand(batch, 1, T, span).contiguous()
+        mask = _verify_mask(batch, T, context, span, device)
         default = partial(kernels.attention, q, k, v, slot_map, mask, None, kernels.mask_bounds(mask))
         reference = default()
         default_ms = _device_ms(default)
-        configs = []
-        doubling, chunk = [], 64
-        while chunk < 2 * span:  # 64 slots up to the first chunk that holds the whole span
-            doubling.append(chunk)
-            chunk *= 2
-        for chunk, rows, num_warps, num_stages in itertools.product(chunks or doubling, max_rows, warps, stages):
+        knob_sets = []
+        for chunk, rows, num_warps, num_stages in itertools.product(
+            chunks or _doubling(64, span), max_rows, warps, stages
+        ):
             knobs = dict(chunk=chunk, max_rows=rows, num_stages=num_stages)
             if warps != (4,):
                 knobs["num_warps"] = num_warps
-            run = partial(default, **knobs)
-            try:
-                torch.testing.assert_close(run(), reference, atol=2e-2, rtol=2e-2)
-                configs.append({**knobs, "ms": round(_device_ms(run), 4)})
-            except Exception as exc:  # a configuration that does not fit this GPU: skipped
-                if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
-                    raise
+            knob_sets.append(knobs)
+        configs = _timed_configs(default, knob_sets, reference)
         best = min(configs, key=lambda c: c["ms"])
         out.append(
             {
@@ -432,6 +423,112 @@ def attention_sweep(
                 "tokens": T,
                 "context": context,
                 "span": span,
+                "default_ms": round(default_ms, 4),
+                "best_ms": best["ms"],
+                "best": {k: v for k, v in best.items() if k != "ms"},
+                "configs": configs,
+            }
+        )
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def _verify_mask(batch: int, T: int, context: int, span: int, device) -> Tensor:
+    """[batch, 1, T, span]: `context` committed slots every query sees, then T causal ones (a chain)."""
+    j = torch.arange(span, device=device)
+    t = torch.arange(T, device=device)
+    mask = (j[None, :] < context) | ((j[None, :] >= context) & (j[None, :] - context <= t[:, None]))
+    return mask.view(1, 1, T, span).expand(batch, 1, T, span).contiguous()
+
+
+def _doubling(first: int, span: int) -> list[int]:
+    """Chunk lengths from `first` slots up to the first that holds the whole span, doubling."""
+    chunks = [first]
+    while chunks[-1] < span:
+        chunks.append(2 * chunks[-1])
+    return chunks
+
+
+def _timed_configs(default, knob_sets: list[dict], reference: Tensor) -> list[dict]:
+    """Each knob set's device time (ms), its output checked against `reference`; a set that does not fit
+    this GPU (out of shared memory or registers) is skipped."""
+    configs = []
+    for knobs in knob_sets:
+        run = partial(default, **knobs)
+        try:
+            torch.testing.assert_close(run(), reference, atol=2e-2, rtol=2e-2)
+            configs.append({**knobs, "ms": round(_device_ms(run), 4)})
+        except Exception as exc:
+            if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                raise
+    return configs
+
+
+def _gathered_latent_sdpa(q: Tensor, latent: Tensor, slot_map: Tensor, mask: Tensor, rank: int, scale: float) -> Tensor:
+    """MLA's attention as the torch backend runs it: the rows' latents gathered by the slot map, then SDPA
+    with every head against them as one KV head; [bs, T, heads, rank]."""
+    bs, span = mask.shape[0], mask.shape[-1]
+    keys = latent[slot_map[:bs, :span]][:, None]
+    out = F.scaled_dot_product_attention(q, keys, keys[..., :rank], attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@torch.inference_mode()
+def latent_sweep(
+    device="cuda",
+    shapes=None,
+    heads: tuple[int, ...] = (8, 64),
+    chunks: tuple[int, ...] | None = None,
+    block_ms: tuple[int, ...] = (16, 32),
+    block_ns: tuple[int, ...] = (16, 32),
+    warps: tuple[int, ...] = (4, 8),
+    stages: tuple[int, ...] = (2,),
+) -> list[dict]:
+    """mla_kernels.latent_attention's tuning knobs (chunk: 256 slots to one chunk for the span unless
+    `chunks` names them; block_m; block_n; num_warps; num_stages) swept at Kimi K2's latent (kv_lora_rank
+    512, RoPE 64) with `heads` query heads a rank (8 under TP=8, 64 on one GPU) over `shapes` (batch, query
+    tokens, cached tokens, span of the graph bucket): per shape, the torch backend's path (SDPA over the
+    latents gathered by the slot map), the default's time and every configuration's."""
+    from ..models.layers import identity_slot_map
+    from . import kernels
+    from .mla_kernels import latent_attention
+
+    rank, rope = 512, 64
+    scale = (128 + rope) ** -0.5
+    shapes = shapes or [  # (batch, tokens, context, span)
+        *((1, T, 1200, 2048) for T in (1, 9, 33)),
+        *((8, T, 1200, 2048) for T in (1, 33)),
+        (1, 33, 3000, 4096),
+    ]
+    out = []
+    for n_heads, (batch, T, context, span) in itertools.product(heads, shapes):
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(batch, n_heads, T, rank + rope, device=device, dtype=torch.bfloat16, generator=g)
+        latent = torch.randn(batch * span + 1, rank + rope, device=device, dtype=torch.bfloat16, generator=g)
+        slot_map = identity_slot_map(batch, span, device)
+        mask = _verify_mask(batch, T, context, span, device)
+
+        gathered_sdpa = partial(_gathered_latent_sdpa, q, latent, slot_map, mask, rank, scale)
+        default = partial(latent_attention, q, latent, slot_map, mask, None, rank, scale, kernels.mask_bounds(mask))
+        reference = default()
+        torch.testing.assert_close(reference, gathered_sdpa(), atol=2e-2, rtol=2e-2)
+        sdpa_ms, default_ms = _device_ms(gathered_sdpa), _device_ms(default)
+        knob_sets = [
+            dict(chunk=chunk, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+            for chunk, block_m, block_n, num_warps, num_stages in itertools.product(
+                chunks or _doubling(256, span), block_ms, block_ns, warps, stages
+            )
+        ]
+        configs = _timed_configs(default, knob_sets, reference)
+        best = min(configs, key=lambda c: c["ms"])
+        out.append(
+            {
+                "heads": n_heads,
+                "batch": batch,
+                "tokens": T,
+                "context": context,
+                "span": span,
+                "gathered_sdpa_ms": round(sdpa_ms, 4),
                 "default_ms": round(default_ms, 4),
                 "best_ms": best["ms"],
                 "best": {k: v for k, v in best.items() if k != "ms"},

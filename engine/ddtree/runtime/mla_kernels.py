@@ -9,8 +9,8 @@ against one KV head. Here each program reads its keys' latents in place, once fo
 and tokens of its row tile: the compressed kv tile is both the key's first part and the value.
 
 The launch is kernels.attention's (flash-decoding): one program per (sequence, tile of BLOCK_M (token,
-head) rows, chunk of keys), the chunks merged by kernels.combine_chunks, no mask read over the prefix
-every query sees (kernels.mask_bounds), nothing read past the last key any query sees. Row r is head
+head) rows, chunk of keys; latent_chunk), the chunks merged by kernels.combine_chunks, no mask read over
+the prefix every query sees (kernels.mask_bounds), nothing read past the last key any query sees. Row r is head
 r % heads of token r // heads, so a tile's rows share few mask rows. The accumulator holds `rank` dims
 per row (512 fp32 values), so tiles are smaller than the dense kernel's: 16 rows and 16 keys a step
 with 8 warps, 2 stages. At Kimi K2's sizes ptxas fits that in 120-184 registers a thread for sm_90 in
