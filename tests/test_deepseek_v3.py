@@ -388,8 +388,8 @@ def test_torch_backend_projects_q_and_the_latent_in_one_gemm(overrides, fused):
 def test_triton_backend_equals_the_reference_and_stays_lossless(monkeypatch, through_sdpa):
     """On the Triton backend (the interpreter on CPU) MLA attends through mla_kernels.latent_attention
     (or, past TritonLatentAttention.max_tokens query tokens, SDPA over gathered latents): a prefill and a
-    tree verify give the reference's logits (fp32), and greedy ddtree and dflash emit plain decoding's
-    tokens over paged rows in reverse order."""
+    tree verify over rows in reverse order give the reference's logits (fp32), and greedy ddtree and
+    dflash emit plain decoding's tokens."""
     from ddtree.runtime.fused import TritonLatentAttention, use_backend
 
     if through_sdpa:
@@ -415,6 +415,8 @@ def test_triton_backend_equals_the_reference_and_stays_lossless(monkeypatch, thr
     got = logits("triton")
     assert isinstance(target.model.layers[0].self_attn, TritonLatentAttention)
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+    if through_sdpa:
+        return  # the rounds below attend through the kernel (up to 33 tokens)
     sp = SamplingParams(max_new_tokens=12)
     plain = Engine(target, None, "ar", max_batch_size=3, max_seq_len=64).generate(PROMPTS, sp)
     drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=8), seed=1)

@@ -57,6 +57,17 @@ if triton is not None:
         return x1 * r * w1, x2 * r * w2
 
     @triton.jit
+    def _cos_sin(cos, sin, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        # a token's cos and sin (rotate-half layout) as their two halves in fp32, each [1, BLOCK]
+        d = tl.arange(0, BLOCK)
+        m = d < HALF
+        c1 = tl.load(cos + d, mask=m, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(cos + HALF + d, mask=m, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(sin + d, mask=m, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(sin + HALF + d, mask=m, other=0.0).to(tl.float32)[None, :]
+        return c1, c2, s1, s2
+
+    @triton.jit
     def _norm_rope_heads(
         src,
         s_h,
@@ -132,13 +143,7 @@ if triton is not None:
         tok = tl.program_id(0).to(tl.int64)  # int64: cache offsets can pass 2**31
         b = tok // T
         t = tok % T
-        d = tl.arange(0, BLOCK)
-        m = d < HALF
-        c1 = tl.load(cos_ptr + b * cos_sb + t * cos_st + d, mask=m, other=0.0).to(tl.float32)[None, :]
-        c2 = tl.load(cos_ptr + b * cos_sb + t * cos_st + HALF + d, mask=m, other=0.0).to(tl.float32)[None, :]
-        s1 = tl.load(sin_ptr + b * sin_sb + t * sin_st + d, mask=m, other=0.0).to(tl.float32)[None, :]
-        s2 = tl.load(sin_ptr + b * sin_sb + t * sin_st + HALF + d, mask=m, other=0.0).to(tl.float32)[None, :]
-        cos_sin = (c1, c2, s1, s2)
+        cos_sin = _cos_sin(cos_ptr + b * cos_sb + t * cos_st, sin_ptr + b * sin_sb + t * sin_st, HALF, BLOCK)
         part = tl.program_id(1)
         Q_BLOCKS: tl.constexpr = (N_HEADS + QH - 1) // QH
         if part < Q_BLOCKS:

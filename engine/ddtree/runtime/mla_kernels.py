@@ -35,7 +35,7 @@ from .kernels import triton
 if triton is not None:
     import triton.language as tl
 
-    from .kernels import _attention_write, _online_softmax
+    from .kernels import _attention_write, _cos_sin, _online_softmax
 
     @triton.jit
     def _rope_heads(src, s_h, h, cos_sin, HEADS, HALF: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr):
@@ -95,13 +95,7 @@ if triton is not None:
         tok = tl.program_id(0).to(tl.int64)  # int64: cache offsets can pass 2**31
         b = tok // T
         t = tok % T
-        d = tl.arange(0, BLOCK)
-        m = d < HALF
-        c1 = tl.load(cos_ptr + b * cos_sb + t * cos_st + d, mask=m, other=0.0).to(tl.float32)[None, :]
-        c2 = tl.load(cos_ptr + b * cos_sb + t * cos_st + HALF + d, mask=m, other=0.0).to(tl.float32)[None, :]
-        s1 = tl.load(sin_ptr + b * sin_sb + t * sin_st + d, mask=m, other=0.0).to(tl.float32)[None, :]
-        s2 = tl.load(sin_ptr + b * sin_sb + t * sin_st + HALF + d, mask=m, other=0.0).to(tl.float32)[None, :]
-        cos_sin = (c1, c2, s1, s2)
+        cos_sin = _cos_sin(cos_ptr + b * cos_sb + t * cos_st, sin_ptr + b * sin_sb + t * sin_st, HALF, BLOCK)
         r = tl.arange(0, BLOCK_R)
         part = tl.program_id(1)
         if part == 0:
