@@ -3,9 +3,9 @@
 The model families (ddtree.models) and the drafter are branch-free reference forwards. Inference runs one
 of two backends, chosen once per model by `use_backend`:
 
-- "torch": q/k/v and gate/up as one GEMM each (the weights become views into one concatenated tensor, so
-  parameter names and state dicts stay Hugging Face's and no memory is duplicated); the rest as the
-  reference.
+- "torch": q/k/v, gate/up and MLA's query and latent projections as one GEMM each (the weights become
+  views into one concatenated tensor, so parameter names and state dicts stay Hugging Face's and no
+  memory is duplicated); the rest as the reference.
 - "triton": the same GEMMs plus the Triton kernels of ddtree.runtime.kernels: q/k norm + RoPE + cache
   write in one kernel, tree attention (MLA's over the latent cache: mla_kernels), each residual add fused
   with the RMSNorm after it, and per shape bucket GEMV (one row) or skinny GEMMs (2-64 rows) for some
