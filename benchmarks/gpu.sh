@@ -288,7 +288,9 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
 from ddtree.runtime.bench import attention_sweep, tree_candidates_micro
 print(json.dumps({"tree_candidates": tree_candidates_micro()}), flush=True)
 attention_sweep()' > "$OUT_DIR/kernels.jsonl"
-      $PY -c 'from ddtree.runtime.bench import skinny_sweep; skinny_sweep()' > "$OUT_DIR/skinny.jsonl" ;;
+      $PY -c 'from ddtree.runtime.bench import skinny_sweep; skinny_sweep()' > "$OUT_DIR/skinny.jsonl"
+      log "kernels: MLA's latent attention configurations against gathered SDPA, Kimi K2's latent"
+      $PY -c 'from ddtree.runtime.bench import latent_sweep; latent_sweep()' > "$OUT_DIR/latent.jsonl" ;;
   esac
 done
 log "results in $OUT_DIR"
