@@ -412,6 +412,21 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _key_range(bounds_ptr, b, span, split, CHUNK, BLOCK_N: tl.constexpr):
+        # the keys [lo, hi) of chunk `split` that some query of sequence b sees (mask_bounds), and mid:
+        # where the whole key blocks inside the prefix every query sees end (no mask read before it)
+        extent = tl.minimum(tl.load(bounds_ptr + b * 2), span)
+        shared = tl.minimum(tl.load(bounds_ptr + b * 2 + 1), extent)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, extent)
+        return lo, tl.maximum(lo, lo + (tl.minimum(hi, shared) - lo) // BLOCK_N * BLOCK_N), hi
+
+    @triton.jit
+    def _seen(mask, t, j, used, live, m_st, m_ss):
+        # [rows, keys]: whether the query token t of each row sees key j (one sequence's mask at `mask`)
+        return tl.load(mask + t[:, None] * m_st + j[None, :] * m_ss, mask=used[:, None] & live[None, :], other=0) != 0
+
+    @triton.jit
     def _attention_write(
         acc,
         m_i,
@@ -535,11 +550,7 @@ if triton is not None:
         # H200: docs/engine.md, "Fused kernels"). Key blocks inside the prefix every query sees (the
         # committed text of a verify or a draft) skip the mask: its loads and selects took a third of
         # the kernel's time at 33 tokens and batch 16.
-        extent = tl.minimum(tl.load(bounds_ptr + b * 2), span)
-        shared = tl.minimum(tl.load(bounds_ptr + b * 2 + 1), extent)
-        lo = split * CHUNK
-        hi = tl.minimum(lo + CHUNK, extent)
-        mid = tl.maximum(lo, lo + (tl.minimum(hi, shared) - lo) // BLOCK_N * BLOCK_N)  # whole blocks before it
+        lo, mid, hi = _key_range(bounds_ptr, b, span, split, CHUNK, BLOCK_N)
         # each step loads the next step's physical slots, so that its key and value loads wait on no
         # index load of their own
         slot_next = tl.load(slot_map + lo + j0, mask=lo + j0 < hi, other=0)
@@ -554,14 +565,7 @@ if triton is not None:
             live = j < hi
             slot = slot_next.to(tl.int64)
             slot_next = tl.load(slot_map + j + BLOCK_N, mask=j + BLOCK_N < hi, other=0)
-            seen = (
-                tl.load(
-                    mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
-                    mask=used[:, None] & live[None, :],
-                    other=0,
-                )
-                != 0
-            )
+            seen = _seen(mask_ptr + b * m_sb, t, j, used, live, m_st, m_ss)
             k = tl.load(kbase + slot[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
             v = tl.load(vbase + slot[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
             m_i, l_i, acc = _attention_step(q, k, v, seen, m_i, l_i, acc, scale, True, FP32_DOT, PRECISION)

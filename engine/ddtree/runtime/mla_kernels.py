@@ -35,7 +35,7 @@ from .kernels import triton
 if triton is not None:
     import triton.language as tl
 
-    from .kernels import _attention_write, _cos_sin, _online_softmax
+    from .kernels import _attention_write, _cos_sin, _key_range, _online_softmax, _seen
 
     @triton.jit
     def _rope_heads(src, s_h, h, cos_sin, HEADS, HALF: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr):
@@ -212,11 +212,7 @@ if triton is not None:
         slot_map = map_ptr + row * map_sb  # the row's logical slot j is at physical slot slot_map[j]
         # as kernels._attention_partial_kernel: nothing past the last key any query sees, no mask over
         # the prefix every query sees, each step's slots loaded a step ahead
-        extent = tl.minimum(tl.load(bounds_ptr + b * 2), span)
-        shared = tl.minimum(tl.load(bounds_ptr + b * 2 + 1), extent)
-        lo = split * CHUNK
-        hi = tl.minimum(lo + CHUNK, extent)
-        mid = tl.maximum(lo, lo + (tl.minimum(hi, shared) - lo) // BLOCK_N * BLOCK_N)
+        lo, mid, hi = _key_range(bounds_ptr, b, span, split, CHUNK, BLOCK_N)
         slot_next = tl.load(slot_map + lo + j0, mask=lo + j0 < hi, other=0)
         for n0 in range(lo, mid, BLOCK_N):  # keys every query sees: no mask
             key = c_ptr + slot_next.to(tl.int64)[:, None] * c_ss
@@ -229,14 +225,7 @@ if triton is not None:
             live = j < hi
             key = c_ptr + slot_next.to(tl.int64)[:, None] * c_ss
             slot_next = tl.load(slot_map + j + BLOCK_N, mask=j + BLOCK_N < hi, other=0)
-            seen = (
-                tl.load(
-                    mask_ptr + b * m_sb + t[:, None] * m_st + j[None, :] * m_ss,
-                    mask=used[:, None] & live[None, :],
-                    other=0,
-                )
-                != 0
-            )
+            seen = _seen(mask_ptr + b * m_sb, t, j, used, live, m_st, m_ss)
             c = tl.load(key + dr[None, :], mask=live[:, None] & (dr[None, :] < RANK), other=0.0)
             pe = tl.load(key + RANK + dp[None, :], mask=live[:, None] & (dp[None, :] < ROPE), other=0.0)
             m_i, l_i, acc = _latent_step(q_kv, q_pe, c, pe, seen, m_i, l_i, acc, scale, True, FP32_DOT, PRECISION)
