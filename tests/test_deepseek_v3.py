@@ -35,13 +35,13 @@ def causal(n):
 # ---- against transformers ------------------------------------------------------------------------
 
 
-def hf_model(q_lora_rank=24, rope=None, interleave=True, tie=False, bias=False, layers=3, seed=0):
+def hf_model(q_lora_rank=24, rope=None, interleave=True, tie=False, bias=False, layers=3, seed=0, **sizes):
     """A tiny DeepseekV3ForCausalLM with the real feature flags on: 8 routed experts in 4 groups (2 chosen),
     2 shared experts, a dense first layer, YaRN with mscale_all_dim; weights std 0.2 (transformers' 0.02
-    would leave every logit near 0) and a random routing correction bias."""
+    would leave every logit near 0) and a random routing correction bias. sizes: other config fields."""
     torch.manual_seed(seed)
     rope = {**YARN, "mscale": 1.0, "mscale_all_dim": 0.8} if rope is None else rope
-    cfg = transformers.DeepseekV3Config(
+    fields = dict(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=96,
@@ -67,6 +67,7 @@ def hf_model(q_lora_rank=24, rope=None, interleave=True, tie=False, bias=False, 
         attention_bias=bias,
         rope_parameters={**rope, "rope_theta": 10000.0},
     )
+    cfg = transformers.DeepseekV3Config(**{**fields, **sizes})
     model = transformers.DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

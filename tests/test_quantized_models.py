@@ -8,8 +8,8 @@
 
 Each loads through the registry, computes the logits transformers computes from the dequantized weights,
 and generates losslessly (ddtree and dflash equal ar); the fused MoE (torch backend) equals the reference
-forward; INT4 experts split whole over 2 ranks (gloo) give the tokens of one rank, and a split that would
-slice FP8 attention weights is refused in one line."""
+forward; split over 2 ranks (gloo), INT4 experts (whole or by width) and every FP8 layer give the logits
+and tokens of one rank, and a split that would cut scale blocks or groups is refused in one line."""
 
 import json
 import pathlib
@@ -25,10 +25,12 @@ from ddtree.models.quant import (
     Int4Linear,
     dequantize_fp8_block,
     dequantize_int4,
+    parse_quantization,
     quantize_fp8_block,
     quantize_int4,
+    quantize_modules,
 )
-from ddtree.models.registry import load_pretrained
+from ddtree.models.registry import family_for, load_pretrained
 from ddtree.runtime.engine import Engine, SamplingParams
 from ddtree.runtime.fused import use_backend
 from ddtree.runtime.parallel import launch, shard
@@ -52,9 +54,10 @@ def write_shards(folder: pathlib.Path, state: dict, shards: int = 3) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def quantized_checkpoint(folder: pathlib.Path, kind: str):
-    """(transformers' model with the dequantized weights, the folder of the quantized checkpoint)."""
-    hf_model().save_pretrained(folder / "plain")
+def quantized_checkpoint(folder: pathlib.Path, kind: str, **sizes):
+    """(transformers' model with the dequantized weights, the folder of the quantized checkpoint); sizes:
+    config fields other than hf_model's."""
+    hf_model(**sizes).save_pretrained(folder / "plain")
     state = load_file(folder / "plain" / "model.safetensors")
     plain = dict(state)
     for name in list(state):
@@ -132,33 +135,72 @@ def test_speculative_decoding_is_lossless(quantized):
     assert out["ddtree"] == out["ar"] and out["dflash"] == out["ar"]
 
 
-def int4_rank(rank, world, folder):
+# FP8 blocks are 128 x 128: sizes whose split over 2 ranks keeps 128-row shares of q_b_proj (2 heads of 64 + 64),
+# kv_b_proj (2 x (64 + 64)), o_proj's inputs (2 x 64), the dense MLP (128) and the shared experts (2 x 128 / 2)
+FP8_SPLIT = dict(
+    qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, intermediate_size=256, moe_intermediate_size=128
+)
+# INT4 groups are 32 inputs: routed experts 64 wide split by width keep one group per rank of down_proj
+INT4_SPLIT = dict(moe_intermediate_size=64)
+
+
+def quantized_rank(rank, world, folder, whole_experts=True):
+    """Prefill logits and ar tokens of the quantized checkpoint loaded over `world` ranks (1: unsplit)."""
     torch.set_num_threads(1)
-    target = load_pretrained(
-        folder, torch.float32, "cpu", shard=(lambda m: shard(m, rank, world)) if world > 1 else None
-    )
-    moe = target.model.layers[1].mlp
-    assert len(moe.experts) == 8 // world and moe.first_expert == 4 * rank * (world > 1)
+    cut = (lambda m: shard(m, rank, world, whole_experts)) if world > 1 else None
+    target = load_pretrained(folder, torch.float32, "cpu", shard=cut)
+    if world > 1:
+        moe, attn = target.model.layers[1].mlp, target.model.layers[1].self_attn
+        experts = 8 // world if whole_experts else 8
+        assert len(moe.experts) == experts and moe.first_expert == experts * rank * whole_experts
+        assert attn.n_heads == 4 // world
     use_backend(target, "torch")
     engine = Engine(target, None, "ar", None, max_batch_size=3, max_seq_len=64)
     tokens = [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=12))]
     return prefill_logits(target, torch.tensor([PROMPTS[2]])).tolist(), tokens
 
 
-def test_int4_experts_split_whole_over_two_ranks_equal_one_rank(tmp_path):
-    _, folder = quantized_checkpoint(tmp_path, "int4")
-    logits, tokens = int4_rank(0, 1, folder)
-    got_logits, got_tokens = launch(2, int4_rank, folder)
+@pytest.mark.parametrize(
+    "kind,sizes,whole_experts",
+    [
+        pytest.param("int4", {}, True, id="int4-experts-whole"),
+        pytest.param("int4", INT4_SPLIT, False, id="int4-experts-by-width", marks=pytest.mark.slow),
+        pytest.param("int4", {}, False, id="int4-one-group-a-row-by-width", marks=pytest.mark.slow),
+        pytest.param("fp8", FP8_SPLIT, True, id="fp8-every-layer"),
+    ],
+)
+def test_quantized_layers_split_over_two_ranks_equal_one_rank(tmp_path, kind, sizes, whole_experts):
+    """Loaded straight into two ranks' shares (each reads only its slices of the weights and their scales):
+    INT4 routed experts whole (expert parallelism) or by width (packed words and scale groups cut along the
+    inputs of down_proj; with one group a row, each rank keeps the row's scale); every FP8 layer of DeepSeek-V3's
+    layout, attention and dense MLPs included, with its 128 x 128 scale blocks. The same logits (1e-5) and
+    tokens as one rank."""
+    _, folder = quantized_checkpoint(tmp_path, kind, **sizes)
+    logits, tokens = quantized_rank(0, 1, folder)
+    got_logits, got_tokens = launch(2, quantized_rank, folder, whole_experts)
     assert got_tokens == tokens
     torch.testing.assert_close(torch.tensor(got_logits), torch.tensor(logits), atol=1e-5, rtol=1e-5)
 
 
-def test_splitting_fp8_attention_weights_is_refused_in_one_line(tmp_path):
-    _, folder = quantized_checkpoint(tmp_path, "fp8")
+@pytest.mark.parametrize("last", [False, True], ids=["rank-0", "last-rank"])
+def test_a_split_that_cuts_fp8_blocks_or_int4_groups_is_refused_on_every_rank(tmp_path, last):
+    """kv_b_proj's 160 outputs (4 heads of 16 + 24) in shares of 80 would cut its 128-row scale blocks; 64-wide
+    INT4 experts split by width over 4 ranks would cut down_proj's groups of 32 inputs. Both refused before any
+    weight is read, on rank 0 too (its share starts on a block). (One group a row splits: each rank keeps it.)"""
+    _, fp8 = quantized_checkpoint(tmp_path / "fp8", "fp8")
     with pytest.raises(
-        ValueError, match=r"not supported yet \(model\.layers\.0\.self_attn\.q_a_proj would be sliced\)"
+        ValueError,
+        match=r"^tensor parallel 2 cannot split model\.layers\.0\.self_attn\.kv_b_proj: 80 of its 160 outputs per "
+        r"rank cut its FP8 scale blocks of 128 \(each rank's share must be a multiple of 128\)$",
     ):
-        load_pretrained(folder, torch.float32, "cpu", shard=lambda m: shard(m, 0, 2))
+        load_pretrained(fp8, torch.float32, "cpu", shard=lambda m: shard(m, 1 if last else 0, 2))
+    _, int4 = quantized_checkpoint(tmp_path / "int4", "int4", **INT4_SPLIT)
+    with pytest.raises(
+        ValueError,
+        match=r"^tensor parallel 4 cannot split model\.layers\.1\.mlp\.experts\.0\.down_proj: 16 of its 64 inputs "
+        r"per rank cut its INT4 scale groups of 32 \(each rank's share must be a multiple of 32\)$",
+    ):
+        load_pretrained(int4, torch.float32, "cpu", shard=lambda m: shard(m, 3 if last else 0, 4, whole_experts=False))
 
 
 @pytest.mark.gpu
@@ -179,3 +221,50 @@ def test_triton_backend_on_the_gpu_equals_transformers_and_stays_lossless(quanti
         engine = Engine(target, drafter, method, budget, max_batch_size=3, max_seq_len=96)
         out[method] = [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=16))]
     assert out["ddtree"] == out["ar"]
+
+
+@pytest.mark.parametrize(
+    "name,whole_experts",
+    [("deepseek-v3", True), ("deepseek-v3", False), ("kimi-k2.6", False)],
+    ids=["deepseek-v3", "deepseek-v3-experts-by-width", "kimi-k2.6-experts-by-width"],
+)
+def test_published_quantized_models_split_over_eight_ranks_along_their_scales(name, whole_experts):
+    """The published sizes (4 layers of them: every kind of layer) on the meta device, quantized as their
+    checkpoints are and cut for the last of 8 ranks: nothing refused, and the scale slices that loading will
+    read are that rank's blocks (DeepSeek-V3: 128 x 128) or groups (Kimi K2.6's experts: 32 inputs)."""
+    raw = json.loads((CONFIGS / f"{name}.json").read_text())
+    text = raw.get("text_config", raw)
+    text["num_hidden_layers"] = text["first_k_dense_replace"] + 1
+    family = family_for(raw).load()
+    cfg = family.ModelConfig.from_hf(raw)
+    with torch.device("meta"):
+        model = family.Transformer(cfg)
+    scheme = parse_quantization(text["quantization_config"])
+    suffix = "weight_scale_inv" if scheme.kind == "fp8_block" else "weight_packed"
+    # Kimi K2.6's quantization_config lists no ignored modules: its routed experts are the INT4 ones
+    linears = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and scheme.targets(n) and (scheme.kind == "fp8_block" or ".experts." in n)
+    ]
+    quantize_modules(model, scheme, [f"{n}.{suffix}" for n in linears])
+    shard(model, 7, 8, whole_experts)
+    layer = model.model.layers[-1]
+    expected = {"mlp.experts.0.down_proj": (1, 7 * 2, 2) if scheme.kind == "fp8_block" else (1, 7 * 8, 8)}
+    if scheme.kind == "fp8_block":  # 128 heads: 16 a rank; 128 x 192 q rows, 128 x 256 kv_b rows, 128 x 128 o inputs
+        expected |= {
+            "self_attn.q_b_proj": (0, 7 * 24, 24),
+            "self_attn.kv_b_proj": (0, 7 * 32, 32),
+            "self_attn.o_proj": (1, 7 * 16, 16),
+            "mlp.shared_experts.down_proj": (1, 7 * 2, 2),
+        }
+        dense = model.model.layers[0].mlp  # 18432 wide: 2304 a rank
+        assert dense.down_proj.weight_scale_inv.checkpoint_slice == (1, 7 * 18, 18)
+        assert not hasattr(layer.self_attn.q_a_proj.weight_scale_inv, "checkpoint_slice")  # replicated
+    if whole_experts:
+        expected.pop("mlp.experts.0.down_proj")
+        assert layer.mlp.first_expert == 7 * 32 and len(layer.mlp.experts) == 32
+    for module_name, want in expected.items():
+        module = layer.get_submodule(module_name)
+        scales = module.weight_scale_inv if scheme.kind == "fp8_block" else module.weight_scale
+        assert scales.checkpoint_slice == want, module_name

@@ -47,8 +47,8 @@ from .layers import (
     RMSNorm,
     StepAttention,
     apply_rope,
-    keep_cols,
-    keep_rows,
+    keep_inputs,
+    keep_outputs,
     rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
@@ -616,9 +616,9 @@ class Transformer(CausalLM):
         for layer in self.model.layers:
             attn = layer.self_attn
             q = attn.q_b_proj if attn.low_rank_q else attn.q_proj
-            keep_rows(q.weight, rank, heads * cfg.qk_head_dim)
-            keep_rows(attn.kv_b_proj.weight, rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-            keep_cols(attn.o_proj.weight, rank, heads * cfg.v_head_dim)
+            keep_outputs(q, rank, heads * cfg.qk_head_dim)
+            keep_outputs(attn.kv_b_proj, rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+            keep_inputs(attn.o_proj, rank, heads * cfg.v_head_dim)
             if attn.o_proj.bias is not None:
                 zero_unless_first(attn.o_proj.bias, rank)
             attn.n_heads, attn.tp = heads, tp

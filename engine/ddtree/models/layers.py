@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -316,16 +316,86 @@ class MLP(nn.Module):
 # ---- tensor parallel splits (ddtree.runtime.parallel calls the families' shard_layers) ----------------
 
 
-def keep_rows(p: Tensor, rank: int, n: int) -> None:
-    """Keep rows [rank * n, (rank + 1) * n) of a parameter, in place. On a model still on the meta device
+def keep_slice(p: Tensor, dim: int, start: int, n: int) -> None:
+    """Keep [start, start + n) of a parameter along dim 0 or 1, in place. On a model still on the meta device
     (sharded before its weights are read) this records the slice, so that loading reads only it."""
-    p.data = p.data[rank * n : (rank + 1) * n].clone()
-    p.checkpoint_slice = (0, rank * n, n)  # type: ignore[attr-defined]
+    p.data = p.data.narrow(dim, start, n).clone()
+    p.checkpoint_slice = (dim, start, n)  # type: ignore[attr-defined]
+
+
+def keep_rows(p: Tensor, rank: int, n: int) -> None:
+    """Keep rows [rank * n, (rank + 1) * n) of a parameter (keep_slice)."""
+    keep_slice(p, 0, rank * n, n)
 
 
 def keep_cols(p: Tensor, rank: int, n: int) -> None:
-    p.data = p.data[:, rank * n : (rank + 1) * n].clone()
-    p.checkpoint_slice = (1, rank * n, n)  # type: ignore[attr-defined]
+    keep_slice(p, 1, rank * n, n)
+
+
+class QuantizedSplitError(ValueError):
+    """A split that would cut a quantized layer's scale groups or blocks (parallel.shard names the layer)."""
+
+    def __init__(self, module: nn.Module, message: str):
+        super().__init__(message)
+        self.module = module
+
+
+def keep_outputs(linear: nn.Module, rank: int, n: int) -> None:
+    """Keep output features [rank * n, (rank + 1) * n) of a linear layer, plain or quantized (its scales with
+    them; a bias is the caller's). Column-parallel."""
+    _keep_features(linear, 0, rank, n)
+
+
+def keep_inputs(linear: nn.Module, rank: int, n: int) -> None:
+    """Keep input features [rank * n, (rank + 1) * n) of a linear layer, plain or quantized. Row-parallel."""
+    _keep_features(linear, 1, rank, n)
+
+
+def _keep_features(linear: nn.Module, dim: int, rank: int, n: int) -> None:
+    from .quant import Fp8BlockLinear, Int4Linear
+
+    start = rank * n
+    if isinstance(linear, Int4Linear):
+        if dim == 0:
+            keep_rows(linear.weight_packed, rank, n)
+            keep_rows(linear.weight_scale, rank, n)
+        else:
+            grouped = linear.weight_scale.shape[1] > 1  # channel (one scale a row): every rank keeps it whole
+            unit = linear.group_size if grouped else 8  # 8 values a packed int32 word
+            if n % unit or n % 8:
+                raise QuantizedSplitError(
+                    linear,
+                    f"{n} of its {linear.in_features} inputs per rank cut its INT4 "
+                    + (f"scale groups of {linear.group_size}" if grouped else "words of 8 values")
+                    + f" (each rank's share must be a multiple of {unit})",
+                )
+            keep_slice(linear.weight_packed, 1, start // 8, n // 8)
+            if grouped:
+                keep_slice(linear.weight_scale, 1, start // linear.group_size, n // linear.group_size)
+            else:
+                linear.group_size = n
+    elif isinstance(linear, Fp8BlockLinear):
+        block, total = linear.block[dim], (linear.out_features, linear.in_features)[dim]
+        # every rank's share starts on a block or lies inside one (checked for all ranks, so that each
+        # refuses the same split: rank 0's share always starts on one)
+        if any(r % block and r // block != (r + n - 1) // block for r in range(0, total, n)):
+            raise QuantizedSplitError(
+                linear,
+                f"{n} of its {total} {('outputs', 'inputs')[dim]} per rank cut its FP8 scale blocks of {block} "
+                f"(each rank's share must be a multiple of {block})",
+            )
+        keep_slice(linear.weight, dim, start, n)
+        first, last = start // block, (start + n - 1) // block
+        keep_slice(linear.weight_scale_inv, dim, first, last - first + 1)
+    else:
+        keep_slice(cast(nn.Linear, linear).weight, dim, start, n)
+    setattr(linear, ("out_features", "in_features")[dim], n)
+    if isinstance(linear, Int4Linear):
+        # the stored (out, in) is the whole layer's: this rank's shape replaces it, and loading leaves it alone
+        device = linear.weight_packed.device
+        linear.weight_shape = torch.tensor(
+            [linear.out_features, linear.in_features], device="cpu" if device.type == "meta" else device
+        )
 
 
 def zero_unless_first(p: Tensor, rank: int) -> None:
@@ -337,11 +407,17 @@ def zero_unless_first(p: Tensor, rank: int) -> None:
 
 
 def shard_mlp(mlp: MLP, tp: Collectives, inter: int) -> None:
-    """Megatron split of a gated MLP: gate/up by output rows, down by input columns (outputs are partial sums)."""
-    keep_rows(mlp.gate_proj.weight, tp.rank, inter)
-    keep_rows(mlp.up_proj.weight, tp.rank, inter)
-    keep_cols(mlp.down_proj.weight, tp.rank, inter)
+    """Megatron split of a gated MLP, its outputs summed over the ranks."""
+    shard_mlp_weights(mlp, tp.rank, inter)
     mlp.tp = tp
+
+
+def shard_mlp_weights(mlp: MLP, rank: int, inter: int) -> None:
+    """Keep a rank's inter columns of a gated MLP: gate/up by output rows, down by input columns (its outputs
+    are then partial sums, which the caller's all-reduce adds)."""
+    keep_outputs(mlp.gate_proj, rank, inter)
+    keep_outputs(mlp.up_proj, rank, inter)
+    keep_inputs(mlp.down_proj, rank, inter)
 
 
 def shard_attention_mlp(attn, mlp: MLP, tp: Collectives, hq: int, hkv: int, inter: int) -> None:
@@ -355,10 +431,10 @@ def shard_attention(attn, tp: Collectives, hq: int, hkv: int) -> None:
     """Megatron split of a grouped-query attention: q/k/v by heads, o by input columns, its bias added once."""
     hd, rank = attn.head_dim, tp.rank
     for proj, heads in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)):
-        keep_rows(proj.weight, rank, heads * hd)
+        keep_outputs(proj, rank, heads * hd)
         if proj.bias is not None:
             keep_rows(proj.bias, rank, heads * hd)
-    keep_cols(attn.o_proj.weight, rank, hq * hd)
+    keep_inputs(attn.o_proj, rank, hq * hd)
     if attn.o_proj.bias is not None:
         zero_unless_first(attn.o_proj.bias, rank)
     attn.n_heads, attn.n_kv = hq, hkv

@@ -719,14 +719,6 @@ def plan_memory(
         )
     if drafter is not None and not drafts:
         notes.append("budget 0: the drafter is loaded but never runs (no drafter cache)")
-    if scheme is not None and gpus > 1:
-        sliced = [
-            w.name
-            for w, stored in stored_as(target, target.quantization)
-            if stored and not (w.kind == "routed_experts" and target.whole_experts)
-        ]
-        if sliced:  # runtime/parallel.shard refuses these today
-            notes.append(f"the engine does not split quantized weights other than whole experts yet ({sliced[0]})")
     fits = not problems
     reason = (
         problems[0]

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from .layers import MLP, Collectives, keep_cols, keep_rows
+from .layers import MLP, Collectives, shard_mlp_weights
 
 
 class Expert(MLP):
@@ -133,18 +133,7 @@ def shard_experts(moe: SparseMoE, tp: Collectives, whole: bool = True) -> None:
         moe.experts = nn.ModuleList(list(moe.experts)[moe.first_expert : moe.first_expert + n])
     else:
         for expert in cast(list[Expert], list(moe.experts)):
-            if not isinstance(expert.gate_proj, nn.Linear):
-                raise ValueError(
-                    f"splitting the width of {type(expert.gate_proj).__name__} experts is not supported: "
-                    "use whole experts per rank (expert parallelism, the default)"
-                )
-            inter = expert.gate_proj.weight.shape[0] // tp.world
-            keep_rows(expert.gate_proj.weight, tp.rank, inter)
-            keep_rows(expert.up_proj.weight, tp.rank, inter)
-            keep_cols(expert.down_proj.weight, tp.rank, inter)
+            shard_mlp_weights(expert, tp.rank, expert.gate_proj.out_features // tp.world)
     if moe.shared_experts is not None:
-        inter = moe.shared_experts.gate_proj.weight.shape[0] // tp.world
-        keep_rows(moe.shared_experts.gate_proj.weight, tp.rank, inter)
-        keep_rows(moe.shared_experts.up_proj.weight, tp.rank, inter)
-        keep_cols(moe.shared_experts.down_proj.weight, tp.rank, inter)
+        shard_mlp_weights(moe.shared_experts, tp.rank, moe.shared_experts.gate_proj.out_features // tp.world)
     moe.tp = tp

@@ -139,6 +139,7 @@ class Int4Linear(nn.Module):
     weight_packed: Tensor  # buffers, declared for the type checker
     weight_scale: Tensor
     weight_shape: Tensor
+    bias: None = None  # as an nn.Linear without one (quantize_modules refuses a quantized layer with a bias)
 
     def __init__(
         self,
@@ -185,6 +186,7 @@ class Fp8BlockLinear(nn.Module):
 
     weight: Tensor  # buffers, declared for the type checker
     weight_scale_inv: Tensor
+    bias: None = None  # as an nn.Linear without one
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..models.layers import Collectives, keep_rows, shard_dense_layers
+from ..models.layers import Collectives, QuantizedSplitError, keep_rows, shard_dense_layers
 from ..models.llama import Transformer
 from ..models.memory import indivisible_split
 from .fused import use_backend
@@ -98,34 +98,22 @@ def shard_drafter(drafter, tp: Collectives) -> None:
     shard_dense_layers(drafter.layers, drafter.config, tp)
 
 
-def _quantized_split_weights(model: Transformer, whole_experts: bool) -> list[str]:
-    """Quantized modules that a split would slice (their scales are not sliced yet): all but routed
-    experts, which expert parallelism keeps whole."""
-    from ..models.quant import Fp8BlockLinear, Int4Linear
-
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, (Int4Linear, Fp8BlockLinear)) and not (whole_experts and ".experts." in name)
-    ]
-
-
 @torch.no_grad()
 def shard(model: Transformer, rank: int, world: int, whole_experts: bool = True) -> Transformer:
     """Keep this rank's slice of every split weight (in place) and switch on the collectives. On a model
     on the meta device this only records the slices, which loading then reads (checkpoint.load_into).
-    whole_experts: routed experts split whole over the ranks (expert parallelism), else by width."""
+    whole_experts: routed experts split whole over the ranks (expert parallelism), else by width.
+    Quantized layers split with their scales; a share that would cut a scale group or block is refused,
+    naming the layer."""
     cfg = model.config
     check_divisible(cfg, world, whole_experts=whole_experts)
-    quantized = _quantized_split_weights(model, whole_experts)
-    if quantized:
-        raise ValueError(
-            f"tensor parallelism over quantized attention or dense weights is not supported yet ({quantized[0]} "
-            "would be sliced); quantized routed experts split whole (expert parallelism) are"
-        )
     tp = TensorParallel(rank, world)
     use_backend(model, "reference")  # fused views point at the full weights; the shards are fused again
-    model.shard_layers(tp, whole_experts)  # the family's split of its layers
+    try:
+        model.shard_layers(tp, whole_experts)  # the family's split of its layers
+    except QuantizedSplitError as exc:
+        name = next(name for name, module in model.named_modules() if module is exc.module)
+        raise ValueError(f"tensor parallel {world} cannot split {name}: {exc}") from None
     vocab = cfg.vocab_size // world
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     keep_rows(model.model.embed_tokens.weight, rank, vocab)
