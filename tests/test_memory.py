@@ -355,6 +355,25 @@ def test_expert_parallel_one_splits_widths_and_checks_them():
 
 
 @pytest.mark.parametrize(
+    "name,gpus,expert_parallel,cut",
+    [
+        ("deepseek-v3", 8, None, None),
+        ("deepseek-v3", 16, 1, None),
+        ("deepseek-v3", 32, None, "model.layers.0.mlp.gate_proj: 576 of its 18432 outputs per rank cut its FP8 scale"),
+        ("kimi-k2.6", 64, 1, None),  # 32 of an expert's 2048 inputs a rank: one INT4 group of 32
+    ],
+)
+def test_a_split_that_cuts_quantized_scales_does_not_fit(name, gpus, expert_parallel, cut):
+    """The plan refuses, as loading does (tests/test_quantized_models.py), a split whose shares would cut FP8
+    blocks or INT4 groups: DeepSeek-V3's dense MLP (18432 wide) over 32 ranks; over 8 and 16 it splits."""
+    hf = json.loads((CONFIGS / f"{name}.json").read_text())
+    plan = plan_memory(hf, gpus=gpus, gpu_memory=H200, max_context=4096, expert_parallel=expert_parallel)
+    assert plan.fits == (cut is None), plan.reason
+    if cut:
+        assert plan.reason.startswith(f"tensor parallel {gpus} cannot split {cut}"), plan.reason
+
+
+@pytest.mark.parametrize(
     "text,size",
     [("141GiB", 141 * GiB), ("80GB", 80 * 10**9), ("288 GB", 288 * 10**9), ("141Gi", 141 * GiB), ("1024", 1024)],
 )

@@ -20,6 +20,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from ddtree.models.memory import plan_memory
 from ddtree.models.quant import (
     Fp8BlockLinear,
     Int4Linear,
@@ -188,19 +189,26 @@ def test_a_split_that_cuts_fp8_blocks_or_int4_groups_is_refused_on_every_rank(tm
     INT4 experts split by width over 4 ranks would cut down_proj's groups of 32 inputs. Both refused before any
     weight is read, on rank 0 too (its share starts on a block). (One group a row splits: each rank keeps it.)"""
     _, fp8 = quantized_checkpoint(tmp_path / "fp8", "fp8")
-    with pytest.raises(
-        ValueError,
-        match=r"^tensor parallel 2 cannot split model\.layers\.0\.self_attn\.kv_b_proj: 80 of its 160 outputs per "
-        r"rank cut its FP8 scale blocks of 128 \(each rank's share must be a multiple of 128\)$",
-    ):
+    with pytest.raises(ValueError) as refused:
         load_pretrained(fp8, torch.float32, "cpu", shard=lambda m: shard(m, 1 if last else 0, 2))
+    assert str(refused.value) == (
+        "tensor parallel 2 cannot split model.layers.0.self_attn.kv_b_proj: 80 of its 160 outputs per rank cut "
+        "its FP8 scale blocks of 128 (each rank's share must be a multiple of 128)"
+    )
+    assert plan_of(fp8, 2).reason == str(refused.value)  # ddtree plan says so before any process starts
     _, int4 = quantized_checkpoint(tmp_path / "int4", "int4", **INT4_SPLIT)
-    with pytest.raises(
-        ValueError,
-        match=r"^tensor parallel 4 cannot split model\.layers\.1\.mlp\.experts\.0\.down_proj: 16 of its 64 inputs "
-        r"per rank cut its INT4 scale groups of 32 \(each rank's share must be a multiple of 32\)$",
-    ):
+    with pytest.raises(ValueError) as refused:
         load_pretrained(int4, torch.float32, "cpu", shard=lambda m: shard(m, 3 if last else 0, 4, whole_experts=False))
+    assert str(refused.value) == (
+        "tensor parallel 4 cannot split model.layers.1.mlp.experts.0.down_proj: 16 of its 64 inputs per rank cut "
+        "its INT4 scale groups of 32 (each rank's share must be a multiple of 32)"
+    )
+    assert plan_of(int4, 4, expert_parallel=1).reason == str(refused.value)
+
+
+def plan_of(folder, gpus, **options):
+    config = json.loads((folder / "config.json").read_text())
+    return plan_memory(config, gpus=gpus, gpu_memory=1 << 40, max_context=64, **options)
 
 
 @pytest.mark.gpu

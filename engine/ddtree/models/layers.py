@@ -353,39 +353,31 @@ def keep_inputs(linear: nn.Module, rank: int, n: int) -> None:
 
 def _keep_features(linear: nn.Module, dim: int, rank: int, n: int) -> None:
     from .quant import Fp8BlockLinear, Int4Linear
+    from .quant_config import QuantScheme, split_problem
 
-    start = rank * n
+    start, total = rank * n, (linear.out_features, linear.in_features)[dim]
+    if isinstance(linear, Int4Linear):
+        scheme = QuantScheme("int4", group_size=linear.group_size)
+    elif isinstance(linear, Fp8BlockLinear):
+        scheme = QuantScheme("fp8_block", block=linear.block)
+    else:
+        scheme = None
+    if scheme is not None and (problem := split_problem(scheme, cast(int, total), n, dim)):
+        raise QuantizedSplitError(linear, problem)
     if isinstance(linear, Int4Linear):
         if dim == 0:
             keep_rows(linear.weight_packed, rank, n)
             keep_rows(linear.weight_scale, rank, n)
         else:
-            grouped = linear.weight_scale.shape[1] > 1  # channel (one scale a row): every rank keeps it whole
-            unit = linear.group_size if grouped else 8  # 8 values a packed int32 word
-            if n % unit or n % 8:
-                raise QuantizedSplitError(
-                    linear,
-                    f"{n} of its {linear.in_features} inputs per rank cut its INT4 "
-                    + (f"scale groups of {linear.group_size}" if grouped else "words of 8 values")
-                    + f" (each rank's share must be a multiple of {unit})",
-                )
             keep_slice(linear.weight_packed, 1, start // 8, n // 8)
-            if grouped:
-                keep_slice(linear.weight_scale, 1, start // linear.group_size, n // linear.group_size)
-            else:
+            if linear.group_size == linear.in_features:  # one group a row: every rank keeps the row's scale
                 linear.group_size = n
+            else:
+                keep_slice(linear.weight_scale, 1, start // linear.group_size, n // linear.group_size)
     elif isinstance(linear, Fp8BlockLinear):
-        block, total = linear.block[dim], (linear.out_features, linear.in_features)[dim]
-        # every rank's share starts on a block or lies inside one (checked for all ranks, so that each
-        # refuses the same split: rank 0's share always starts on one)
-        if any(r % block and r // block != (r + n - 1) // block for r in range(0, total, n)):
-            raise QuantizedSplitError(
-                linear,
-                f"{n} of its {total} {('outputs', 'inputs')[dim]} per rank cut its FP8 scale blocks of {block} "
-                f"(each rank's share must be a multiple of {block})",
-            )
-        keep_slice(linear.weight, dim, start, n)
+        block = linear.block[dim]
         first, last = start // block, (start + n - 1) // block
+        keep_slice(linear.weight, dim, start, n)
         keep_slice(linear.weight_scale_inv, dim, first, last - first + 1)
     else:
         keep_slice(cast(nn.Linear, linear).weight, dim, start, n)

@@ -58,7 +58,7 @@ from typing import Any
 
 from ..config import DEFAULT_MAX_SEQ_LEN, DTYPE_NAMES, PAGE_SIZE
 from .config_fields import attention_window, context_limit, require_fields
-from .quant_config import QuantScheme, parse_quantization
+from .quant_config import QuantScheme, parse_quantization, split_problem
 from .registry import family_for
 
 GiB = 1 << 30
@@ -122,6 +122,7 @@ class Weight:
     linear: bool = False  # a Linear layer's weight [out, in]: stored quantized when the scheme targets it
     fp32: bool = False  # float32 whatever the dtype (the routers' correction biases, the RoPE frequencies)
     count: int = 1  # identical copies (a layer's routed experts)
+    split: int | None = None  # a Linear's dim that tensor parallelism divides: 0 outputs, 1 inputs
 
 
 @dataclass
@@ -145,12 +146,13 @@ class Layout:
 # ---- the families' shapes (as their ModelConfig.from_hf read config.json) ------------------------
 
 
-def _mlp(kind: str, prefix: str, hidden: int, inter: int, count: int = 1) -> list[Weight]:
-    """A gated MLP of width `inter` (this rank's): gate and up [inter, hidden], down [hidden, inter]."""
+def _mlp(kind: str, prefix: str, hidden: int, inter: int, count: int = 1, split: bool = True) -> list[Weight]:
+    """A gated MLP of width `inter` (this rank's): gate and up [inter, hidden], down [hidden, inter]; split:
+    its width is divided over the ranks (gate/up by outputs, down by inputs), else it is whole."""
     return [
-        Weight(kind, f"{prefix}.gate_proj", (inter, hidden), linear=True, count=count),
-        Weight(kind, f"{prefix}.up_proj", (inter, hidden), linear=True, count=count),
-        Weight(kind, f"{prefix}.down_proj", (hidden, inter), linear=True, count=count),
+        Weight(kind, f"{prefix}.gate_proj", (inter, hidden), linear=True, count=count, split=0 if split else None),
+        Weight(kind, f"{prefix}.up_proj", (inter, hidden), linear=True, count=count, split=0 if split else None),
+        Weight(kind, f"{prefix}.down_proj", (hidden, inter), linear=True, count=count, split=1 if split else None),
     ]
 
 
@@ -158,10 +160,10 @@ def _gqa_attention(prefix: str, hidden: int, hq: int, hkv: int, hd: int, bias: b
     """Grouped-query attention of hq query and hkv KV heads (this rank's), as llama.Attention holds it."""
     kind = "attention"
     out = [
-        Weight(kind, f"{prefix}.q_proj", (hq * hd, hidden), linear=True),
-        Weight(kind, f"{prefix}.k_proj", (hkv * hd, hidden), linear=True),
-        Weight(kind, f"{prefix}.v_proj", (hkv * hd, hidden), linear=True),
-        Weight(kind, f"{prefix}.o_proj", (hidden, hq * hd), linear=True),
+        Weight(kind, f"{prefix}.q_proj", (hq * hd, hidden), linear=True, split=0),
+        Weight(kind, f"{prefix}.k_proj", (hkv * hd, hidden), linear=True, split=0),
+        Weight(kind, f"{prefix}.v_proj", (hkv * hd, hidden), linear=True, split=0),
+        Weight(kind, f"{prefix}.o_proj", (hidden, hq * hd), linear=True, split=1),
     ]
     if bias:
         out += [
@@ -178,7 +180,7 @@ def _embedding_and_head(vocab: int, hidden: int, tied: bool, world: int) -> list
     rows = _ceil_div(vocab, world)  # vocabulary-parallel
     out = [Weight("embedding", "model.embed_tokens", (rows, hidden))]
     if not tied:
-        out.append(Weight("lm_head", "lm_head", (rows, hidden), linear=True))
+        out.append(Weight("lm_head", "lm_head", (rows, hidden), linear=True, split=0))
     return out
 
 
@@ -192,7 +194,7 @@ def _routed_experts(prefix: str, hidden: int, inter: int, experts: int, world: i
     """One layer's routed experts on a rank (moe.shard_experts): experts / world whole ones, or every expert
     at inter / world wide; named as expert 0 (a layer's experts share one quantization)."""
     if whole:
-        return _mlp("routed_experts", f"{prefix}.0", hidden, inter, _ceil_div(experts, world))
+        return _mlp("routed_experts", f"{prefix}.0", hidden, inter, _ceil_div(experts, world), split=False)
     return _mlp("routed_experts", f"{prefix}.0", hidden, _ceil_div(inter, world), experts)
 
 
@@ -305,17 +307,17 @@ def _mla_layout(outer: dict, world: int, expert_parallel: int | None) -> Layout:
         p = f"model.layers.{i}"
         s = f"{p}.self_attn"
         if q_rank is None:
-            weights.append(Weight(a, f"{s}.q_proj", (hq * (nope + rope), hidden), linear=True))
+            weights.append(Weight(a, f"{s}.q_proj", (hq * (nope + rope), hidden), linear=True, split=0))
         else:  # q_a_proj and its norm replicated, q_b_proj split by heads
             weights.append(Weight(a, f"{s}.q_a_proj", (q_rank, hidden), linear=True))
             weights += [Weight(a, f"{s}.q_a_proj.bias", (q_rank,))] if bias else []
             weights.append(Weight(n, f"{s}.q_a_layernorm", (q_rank,)))
-            weights.append(Weight(a, f"{s}.q_b_proj", (hq * (nope + rope), q_rank), linear=True))
+            weights.append(Weight(a, f"{s}.q_b_proj", (hq * (nope + rope), q_rank), linear=True, split=0))
         weights.append(Weight(a, f"{s}.kv_a_proj_with_mqa", (kv_rank + rope, hidden), linear=True))
         weights += [Weight(a, f"{s}.kv_a_proj_with_mqa.bias", (kv_rank + rope,))] if bias else []
         weights.append(Weight(n, f"{s}.kv_a_layernorm", (kv_rank,)))
-        weights.append(Weight(a, f"{s}.kv_b_proj", (hq * (nope + v_dim), kv_rank), linear=True))
-        weights.append(Weight(a, f"{s}.o_proj", (hidden, hq * v_dim), linear=True))
+        weights.append(Weight(a, f"{s}.kv_b_proj", (hq * (nope + v_dim), kv_rank), linear=True, split=0))
+        weights.append(Weight(a, f"{s}.o_proj", (hidden, hq * v_dim), linear=True, split=1))
         weights += [Weight(a, f"{s}.o_proj.bias", (hidden,))] if bias else []
         if i < dense:
             weights += _mlp("dense_mlp", f"{p}.mlp", hidden, _ceil_div(inter, world))
@@ -474,6 +476,17 @@ def stored_as(layout: Layout, quantization: dict | None) -> list[tuple[Weight, Q
         return w.linear and (scheme.targets(w.name) if listed else w.kind == "routed_experts")
 
     return [(w, scheme if scheme is not None and covered(w) else None) for w in layout.weights]
+
+
+def _cut_scales(layout: Layout, world: int) -> str | None:
+    """The first quantized weight whose split over `world` ranks would cut its scale groups or blocks, as
+    runtime/parallel.shard refuses it when loading."""
+    for w, scheme in stored_as(layout, layout.quantization):
+        if scheme is not None and w.split is not None:
+            share = w.shape[w.split]
+            if problem := split_problem(scheme, share * world, share, w.split):
+                return f"tensor parallel {world} cannot split {w.name}: {problem}"
+    return None
 
 
 def weights_by_kind(layout: Layout, dtype_bytes: int, quantization: dict | None = None) -> dict[str, int]:
@@ -645,6 +658,8 @@ def plan_memory(
     except ValueError as exc:  # a scheme the engine cannot hold
         problems.append(str(exc).splitlines()[0])
         weights = weights_by_kind(target, size)
+    if scheme is not None and gpus > 1 and (cut := _cut_scales(target, gpus)):
+        problems.append(cut)
     quant_note = _describe_quantization(target.quantization, scheme)
     if drafter is not None:
         weights["drafter_weights"] = weights_by_kind(drafter, size)["drafter_weights"]

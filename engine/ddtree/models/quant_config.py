@@ -81,6 +81,31 @@ class QuantScheme:
         return f"fp8 {self.block[0]}x{self.block[1]} block"
 
 
+def split_problem(scheme: QuantScheme, total: int, share: int, dim: int) -> str | None:
+    """Why splitting a quantized linear layer's `total` outputs (dim 0) or inputs (dim 1) into shares of `share`
+    per rank would cut its scales (None: it would not). INT4 outputs always split (a scale row per output);
+    its inputs split on whole scale groups and packed words (a layer with one group a row keeps that scale on
+    every rank). FP8 splits where every share starts on a block or lies inside one."""
+    if scheme.kind == "fp8_block":
+        block = scheme.block[dim]
+        if any(r % block and r // block != (r + share - 1) // block for r in range(0, total, share)):
+            side = ("outputs", "inputs")[dim]
+            return (
+                f"{share} of its {total} {side} per rank cut its FP8 scale blocks of {block} "
+                f"(each rank's share must be a multiple of {block})"
+            )
+    elif dim == 1:
+        one_group = scheme.group_size in (None, total)
+        unit = 8 if one_group else scheme.group_size  # 8 values a packed int32 word
+        if share % unit or share % 8:
+            what = "words of 8 values" if one_group else f"scale groups of {unit}"
+            return (
+                f"{share} of its {total} inputs per rank cut its INT4 {what} "
+                f"(each rank's share must be a multiple of {unit})"
+            )
+    return None
+
+
 def parse_quantization(cfg: dict | None) -> QuantScheme | None:
     """The scheme of a config.json's `quantization_config` (None: not quantized). Anything but the two
     supported formats raises ValueError, one line naming the scheme."""
