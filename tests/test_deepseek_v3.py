@@ -472,6 +472,32 @@ def test_tp2_equals_tp1_over_gloo():
         assert got[method] == expected[method], method
 
 
+def tp8_tokens(rank, world):
+    """Greedy ar and ddtree tokens of a Kimi-like target (8 heads, 8 experts in one group, 1 of each a rank
+    over 8) with its drafter split too, over `world` ranks."""
+    torch.set_num_threads(1)
+    target = tiny_mla(seed=5, num_attention_heads=8, n_group=1, topk_group=1)
+    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=8), seed=1)
+    if world > 1:
+        split(target, drafter, rank, world, replicate_drafter=True)
+        attn, moe = target.model.layers[1].self_attn, target.model.layers[1].mlp
+        assert (attn.n_heads, len(moe.experts), moe.first_expert) == (8 // world, 8 // world, rank * 8 // world)
+    out = {}
+    for method, budget in (("ar", None), ("ddtree", 8)):
+        eng = Engine(target, drafter, method, budget, max_batch_size=3, max_seq_len=64)
+        out[method] = [r.token_ids for r in eng.generate(PROMPTS, SamplingParams(max_new_tokens=12))]
+    return out
+
+
+@pytest.mark.slow
+def test_tp8_equals_tp1_over_gloo():
+    """Kimi K2's split over 8 ranks, as on one 8-GPU node: one head and one routed expert a rank, every
+    all-reduce and the logits all-gather over 8 (gloo). Exactly the one-rank tokens, and ddtree's are ar's."""
+    expected = tp8_tokens(0, 1)
+    assert expected["ddtree"] == expected["ar"]
+    assert launch(8, tp8_tokens) == expected
+
+
 # ---- configs -------------------------------------------------------------------------------------
 
 PUBLISHED = ["deepseek-v3", "kimi-k2-instruct", "kimi-k2.5", "kimi-k2.6"]
