@@ -135,7 +135,10 @@ def test_sampling_fields_through_the_server(tiny_target):
             ({"top_k": 1.5}, "'top_k' must be an integer"),
             ({"min_p": 1.5}, "'min_p' must be in"),
             ({"repetition_penalty": 1.2}, "'repetition_penalty' is not supported"),
-            ({"stop_token_ids": [3]}, "'stop_token_ids' is not supported"),
+            ({"stop_token_ids": 3}, "'stop_token_ids' must be a list of up to 64 token ids"),
+            ({"stop_token_ids": [True]}, "'stop_token_ids' must be a list of up to 64 token ids"),
+            ({"stop_token_ids": [10**6]}, "'stop_token_ids': 1000000 is outside the vocabulary"),
+            ({"include_stop_str_in_output": 1}, "'include_stop_str_in_output' must be a boolean"),
             ({"guided_json": {"type": "object"}}, "send 'response_format'"),
         ]:
             with pytest.raises(openai.BadRequestError, match=message):
@@ -145,5 +148,25 @@ def test_sampling_fields_through_the_server(tiny_target):
         assert info.value.body["param"] == "prompt"
         neutral = {"top_k": -1, "min_p": 0, "repetition_penalty": 1.0, "stop_token_ids": [], "min_tokens": 0}
         assert client.completions.create(**request, temperature=0, extra_body=neutral).choices[0].text == greedy
+        # stop_token_ids (vLLM's): the completion ends at the first of them, its text kept (not a special token)
+        ids = (
+            Engine(tiny_target, None, "ar", max_batch_size=1, max_seq_len=64)
+            .generate(
+                [ByteTokenizer(tiny_target.config.vocab_size).encode("hello")], SamplingParams(max_new_tokens=12)
+            )[0]
+            .token_ids
+        )
+        k = ids.index(ids[5])
+        stopped = client.completions.create(**request, temperature=0, extra_body={"stop_token_ids": [ids[5]]})
+        cut = client.completions.create(**{**request, "max_tokens": k + 1}, temperature=0)
+        assert (stopped.choices[0].finish_reason, cut.choices[0].finish_reason) == ("stop", "length")
+        assert stopped.usage.completion_tokens == k + 1 and stopped.choices[0].text == cut.choices[0].text
+        # include_stop_str_in_output: the stop string stays in the text
+        stop = greedy[2:4]
+        at = greedy.index(stop)
+        for include, upto in ((False, at), (True, at + 2)):
+            body = {"include_stop_str_in_output": include}
+            kept = client.completions.create(**request, temperature=0, stop=stop, extra_body=body).choices[0]
+            assert (kept.text, kept.finish_reason) == (greedy[:upto], "stop"), include
     finally:
         served.close()

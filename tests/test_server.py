@@ -172,7 +172,8 @@ class ScriptedEngine(UnlimitedPages):
 
 
 def run_requests(engine, tokenizer, reqs, max_waiting=4):
-    """Run (prompt, SamplingParams, stop) requests through a Scheduler; returns per request its events. A
+    """Run (prompt, SamplingParams, stop[, Request options]) requests through a Scheduler; returns per request
+    its events. A
     request is done when its last event has been flushed (as the server's sinks, which keep events until
     the scheduler's flush)."""
     from ddtree.serving.scheduler import Request, Scheduler
@@ -198,8 +199,8 @@ def run_requests(engine, tokenizer, reqs, max_waiting=4):
 
         return put
 
-    for i, (prompt, params, stop) in enumerate(reqs):
-        sched.submit(Request(prompt, params, stop, sink(i)))
+    for i, (prompt, params, stop, *options) in enumerate(reqs):
+        sched.submit(Request(prompt, params, stop, sink(i), **(options[0] if options else {})))
     for d in done:
         assert d.wait(10)
     sched.stop()
@@ -248,6 +249,35 @@ def test_scheduler_stop_strings_utf8_and_truncation_inside_rounds(tokenizer):
     assert total(samples, "ddtree_generation_tokens_total") == sum(evs[-1].completion_tokens for evs in events)
     assert total(samples, "ddtree_prompt_tokens_total") == 8
     assert len(eng.released) == 4
+
+
+def test_scheduler_keeps_the_text_of_a_requests_own_stop_tokens_and_stop_strings_when_asked(tokenizer):
+    """vLLM's semantics: a request's own stop_token_ids end the completion with their text, unless they are
+    special tokens (the EOS here); include_stop_str keeps the stop string that ended it."""
+    from ddtree.runtime.engine import SamplingParams
+
+    text = "Héllo wörld 😀 — 世界! The END is near, but not yet."
+    ids = tokenizer.encode(text)
+    eos = tokenizer.eos_token_id
+    scripts = {
+        100: (ids + [7] * 8, [3, 1, 5, 2, 4] + [1] * len(ids)),
+        101: (ids + [7] * 8, [2, 3, 2] + [1] * len(ids)),
+        102: (ids[:6] + [eos] + ids[6:], [3, 4, 4] + [1] * len(ids)),
+    }
+    eng = ScriptedEngine(scripts, max_batch_size=3)
+    word = ids[3]  # an ordinary token, inside the second round
+    reqs = [
+        ([100, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)), ["END"], {"include_stop_str": True}),
+        ([101, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos, word)), [], {"shown_stop_ids": [word]}),
+        ([102, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)), [], {"shown_stop_ids": [eos]}),
+    ]
+    events, _ = run_requests(eng, tokenizer, reqs)
+    texts = ["".join(e.text for e in evs) for evs in events]
+    assert texts[0] == text[: text.index("END") + 3] and events[0][-1].finish_reason == "stop"
+    first = ids.index(word)
+    assert texts[1] == tokenizer.decode(ids[: first + 1]) and events[1][-1].completion_tokens == first + 1
+    assert texts[2] == tokenizer.decode(ids[:6]) and events[2][-1].completion_tokens == 7  # EOS: special, no text
+    assert all(evs[-1].finish_reason == "stop" for evs in events)
 
 
 def test_scheduler_queue_bound_and_cancellation_free_rows(tokenizer):

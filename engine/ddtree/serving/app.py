@@ -534,8 +534,11 @@ class EngineServer:
             top_k=s.top_k,
             min_p=s.min_p,
             seed=s.seed,
-            stop_token_ids=() if s.ignore_eos else self.stop_token_ids,
+            stop_token_ids=tuple(dict.fromkeys((() if s.ignore_eos else self.stop_token_ids) + s.stop_token_ids)),
         )
+        vocab = self.engine.target.config.vocab_size
+        if outside := [t for t in s.stop_token_ids if t >= vocab]:
+            raise bad_request(f"'stop_token_ids': {outside[0]} is outside the vocabulary of {vocab}", "stop_token_ids")
         try:
             self.engine.check_request(prompt, params)
         except ValueError as exc:
@@ -557,6 +560,8 @@ class EngineServer:
                     skip_special_tokens=not (reads_calls and self.tool_markers_special),
                     logprobs=s.logprobs,
                     constraint=constraint,
+                    shown_stop_ids=s.stop_token_ids,
+                    include_stop_str=s.include_stop_str_in_output,
                     first_choice=reqs[0] if reqs else None,
                 )
             )

@@ -10,6 +10,7 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 128  # `n`: OpenAI's limit
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -106,11 +107,9 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
         # vLLM's extensions that change the output
         "repetition_penalty": (None, 1, 1.0),
         "min_tokens": (None, 0),
-        "stop_token_ids": (None, []),
         "bad_words": (None, []),
         "allowed_token_ids": (None, []),
         "use_beam_search": (None, False),
-        "include_stop_str_in_output": (None, False),
         "guided_json": (None,),
         "guided_regex": (None,),
         "guided_choice": (None,),
@@ -169,6 +168,20 @@ class Sampling:
                 "stop",
             )
         self.stop = stop
+        # extensions (as in vLLM): more tokens that end the completion, their text kept unless they are
+        # special tokens; the stop string that ended it kept in the text
+        ids = body.get("stop_token_ids")
+        if ids is not None and (
+            not isinstance(ids, list)
+            or len(ids) > MAX_STOP_TOKEN_IDS
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+        ):
+            raise bad_request(
+                f"'stop_token_ids' must be a list of up to {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)",
+                "stop_token_ids",
+            )
+        self.stop_token_ids = tuple(ids or ())
+        self.include_stop_str_in_output = get_bool(body, "include_stop_str_in_output")
         self.stream = get_bool(body, "stream")
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):

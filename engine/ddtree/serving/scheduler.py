@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from ..config import PAGE_SIZE
@@ -99,6 +99,8 @@ class Request:
         logprobs: int | None = None,  # log-probabilities of the completion tokens, with this many top tokens
         constraint: Constraint | None = None,  # a grammar: response_format, a required tool choice (constrained.py)
         first_choice: Request | None = None,  # for a later choice of an API request (`n`), its first one
+        shown_stop_ids: Iterable[int] = (),  # stop tokens whose text ends the completion (the request's own)
+        include_stop_str: bool = False,  # a stop string that ends the completion stays in its text
     ):
         self.id = next(_ids)
         self.first_choice = first_choice
@@ -112,6 +114,8 @@ class Request:
         self.prompt_ids = prompt_ids
         self.params = params
         self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.shown_stop_ids = frozenset(shown_stop_ids)
+        self.include_stop_str = include_stop_str
         self.stop = [s for s in (stop or []) if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.sink = sink
@@ -481,9 +485,10 @@ class Scheduler:
         req.text += piece
         if not req.stop:
             return False
-        hits = [i for i in (req.text.find(s, start) for s in req.stop) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((req.text.find(s, start), s) for s in req.stop) if i >= 0]
         if hits:
-            req.text = req.text[: min(hits)]
+            at, minus_length = min(hits)  # the first stop string, the longest of those starting there
+            req.text = req.text[: at - minus_length if req.include_stop_str else at]
             return True
         return False
 
@@ -492,7 +497,9 @@ class Scheduler:
         finish, by_string = None, False
         for t in toks[: req.params.max_new_tokens - before]:
             req.token_ids.append(t)
-            if t in req.stop_token_ids:  # counted as a completion token, never detokenized
+            if t in req.stop_token_ids:  # counted as a completion token; only the request's own have text
+                if t in req.shown_stop_ids:
+                    self._append_text(req, req.detok.push(t))
                 finish = "stop"
                 break
             if self._append_text(req, req.detok.push(t)):
