@@ -145,20 +145,22 @@ FP8_SPLIT = dict(
 INT4_SPLIT = dict(moe_intermediate_size=64)
 
 
-def quantized_rank(rank, world, folder, whole_experts=True):
-    """Prefill logits and ar tokens of the quantized checkpoint loaded over `world` ranks (1: unsplit)."""
+def quantized_rank(rank, world, folder, whole_experts=True, backend="torch"):
+    """Prefill logits and ar tokens of the quantized checkpoint loaded over `world` ranks (1: unsplit); on
+    GPU `rank` (NCCL) with the triton backend."""
     torch.set_num_threads(1)
     cut = (lambda m: shard(m, rank, world, whole_experts)) if world > 1 else None
-    target = load_pretrained(folder, torch.float32, "cpu", shard=cut)
+    device = f"cuda:{rank}" if backend == "triton" else "cpu"
+    target = load_pretrained(folder, torch.float32, device, shard=cut)
     if world > 1:
         moe, attn = target.model.layers[1].mlp, target.model.layers[1].self_attn
         experts = 8 // world if whole_experts else 8
         assert len(moe.experts) == experts and moe.first_expert == experts * rank * whole_experts
         assert attn.n_heads == 4 // world
-    use_backend(target, "torch")
+    use_backend(target, backend)
     engine = Engine(target, None, "ar", None, max_batch_size=3, max_seq_len=64)
     tokens = [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=12))]
-    return prefill_logits(target, torch.tensor([PROMPTS[2]])).tolist(), tokens
+    return prefill_logits(target, torch.tensor([PROMPTS[2]], device=device)).tolist(), tokens
 
 
 @pytest.mark.parametrize(
@@ -229,6 +231,21 @@ def test_triton_backend_on_the_gpu_equals_transformers_and_stays_lossless(quanti
         engine = Engine(target, drafter, method, budget, max_batch_size=3, max_seq_len=96)
         out[method] = [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=16))]
     assert out["ddtree"] == out["ar"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+@pytest.mark.parametrize(
+    "kind,sizes,whole_experts", [("int4", INT4_SPLIT, False), ("fp8", FP8_SPLIT, True)], ids=["int4", "fp8"]
+)
+def test_quantized_layers_split_over_two_gpus_equal_one_gpu(tmp_path, kind, sizes, whole_experts):
+    """The split quantized layers through the Triton GEMMs on 2 GPUs (NCCL): the one-GPU logits (1e-3, fp32
+    activations) and tokens."""
+    _, folder = quantized_checkpoint(tmp_path, kind, **sizes)
+    logits, tokens = quantized_rank(0, 1, folder, backend="triton")
+    got_logits, got_tokens = launch(2, quantized_rank, folder, whole_experts, "triton", device_type="cuda")
+    assert got_tokens == tokens
+    torch.testing.assert_close(torch.tensor(got_logits), torch.tensor(logits), atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize(

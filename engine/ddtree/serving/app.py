@@ -536,9 +536,10 @@ class EngineServer:
             seed=s.seed,
             stop_token_ids=tuple(dict.fromkeys((() if s.ignore_eos else self.stop_token_ids) + s.stop_token_ids)),
         )
-        vocab = self.engine.target.config.vocab_size
-        if outside := [t for t in s.stop_token_ids if t >= vocab]:
-            raise bad_request(f"'stop_token_ids': {outside[0]} is outside the vocabulary of {vocab}", "stop_token_ids")
+        if s.stop_token_ids and (outside := [t for t in s.stop_token_ids if t >= self.grammars.vocab]):
+            raise bad_request(
+                f"'stop_token_ids': {outside[0]} is outside the vocabulary of {self.grammars.vocab}", "stop_token_ids"
+            )
         try:
             self.engine.check_request(prompt, params)
         except ValueError as exc:
