@@ -115,6 +115,57 @@ def test_top_k_and_min_p_bound_every_sampled_token(method):
     assert misses["free"][0] > 0 and misses["free"][1] > 0, f"the filters must bind here: {misses}"
 
 
+def test_min_tokens_holds_stop_tokens_back_losslessly_through_the_server(tiny_target):
+    """min_tokens (vLLM's): no stop token among the first min_tokens, held as a constraint after the verify.
+    ddtree's completion is greedy decoding with the stop token's logit masked at those positions, then
+    plain greedy decoding (the reference: full forwards of the target). Fields it cannot go with are 400s."""
+    import openai
+
+    from ddtree.models.random import ByteTokenizer
+    from in_process_server import InProcessServer
+
+    tokenizer = ByteTokenizer(tiny_target.config.vocab_size)
+    prompt = tokenizer.encode("hello")
+    plain = (
+        Engine(tiny_target, None, "ar", max_batch_size=1, max_seq_len=64)
+        .generate([prompt], SamplingParams(max_new_tokens=24))[0]
+        .token_ids
+    )
+    stop = plain[4]  # the server's stop token: greedy decoding emits it fifth
+
+    def masked_greedy(min_tokens: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < 24 and stop not in out:
+            log_probs = reference_log_probs(tiny_target, prompt + out)[-1]
+            if len(out) < min_tokens:
+                log_probs[stop] = -math.inf
+            out.append(int(log_probs.argmax()))
+        return out
+
+    drafter = init_drafter(DrafterConfig.for_target(tiny_target.config, num_layers=1, block_size=8), seed=0)
+    engine = Engine(tiny_target, drafter, "ddtree", 8, max_batch_size=2, max_seq_len=64, logprobs=True)
+    served = InProcessServer(engine, tokenizer, {"max_seq_len": 64}, stop_token_ids=(stop,))
+    client = served.client()
+    try:
+        request = {"model": "tiny", "prompt": "hello", "max_tokens": 24, "temperature": 0}
+        for min_tokens, length in ((0, 5), (5, 6), (6, 9), (24, 24)):  # it comes again once allowed
+            expected = masked_greedy(min_tokens)
+            assert len(expected) == length
+            got = client.completions.create(**request, extra_body={"min_tokens": min_tokens})
+            assert got.usage.completion_tokens == len(expected), min_tokens
+            assert got.choices[0].finish_reason == ("stop" if expected[-1] == stop else "length")
+            assert got.choices[0].text == tokenizer.decode([t for t in expected if t != stop]), min_tokens
+        for bad, message in [
+            ({"min_tokens": -1}, "'min_tokens' must be >= 0"),
+            ({"min_tokens": 25}, r"'min_tokens' \(25\) is more than max_tokens \(24\)"),
+            ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "'min_tokens' cannot go with a grammar"),
+        ]:
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.completions.create(**request, extra_body=bad)
+    finally:
+        served.close()
+
+
 def test_sampling_fields_through_the_server(tiny_target):
     """top_k and min_p (vLLM's extensions) reach the engine; fields the server cannot honour are refused."""
     import openai

@@ -253,7 +253,8 @@ def test_scheduler_stop_strings_utf8_and_truncation_inside_rounds(tokenizer):
 
 def test_scheduler_keeps_the_text_of_a_requests_own_stop_tokens_and_stop_strings_when_asked(tokenizer):
     """vLLM's semantics: a request's own stop_token_ids end the completion with their text, unless they are
-    special tokens (the EOS here); include_stop_str keeps the stop string that ended it."""
+    special tokens (the EOS here); include_stop_str keeps the stop string that ended it; a stop string that
+    completes before min_tokens tokens does not count."""
     from ddtree.runtime.engine import SamplingParams
 
     text = "Héllo wörld 😀 — 世界! The END is near, but not yet."
@@ -263,13 +264,15 @@ def test_scheduler_keeps_the_text_of_a_requests_own_stop_tokens_and_stop_strings
         100: (ids + [7] * 8, [3, 1, 5, 2, 4] + [1] * len(ids)),
         101: (ids + [7] * 8, [2, 3, 2] + [1] * len(ids)),
         102: (ids[:6] + [eos] + ids[6:], [3, 4, 4] + [1] * len(ids)),
+        103: (ids + [7] * 8, [2] * len(ids)),
     }
-    eng = ScriptedEngine(scripts, max_batch_size=3)
+    eng = ScriptedEngine(scripts, max_batch_size=4)
     word = ids[3]  # an ordinary token, inside the second round
     reqs = [
         ([100, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)), ["END"], {"include_stop_str": True}),
         ([101, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos, word)), [], {"shown_stop_ids": [word]}),
         ([102, 5], SamplingParams(max_new_tokens=64, stop_token_ids=(eos,)), [], {"shown_stop_ids": [eos]}),
+        ([103, 5], SamplingParams(max_new_tokens=len(ids)), ["END"], {"min_tokens": len(ids)}),
     ]
     events, _ = run_requests(eng, tokenizer, reqs)
     texts = ["".join(e.text for e in evs) for evs in events]
@@ -277,7 +280,8 @@ def test_scheduler_keeps_the_text_of_a_requests_own_stop_tokens_and_stop_strings
     first = ids.index(word)
     assert texts[1] == tokenizer.decode(ids[: first + 1]) and events[1][-1].completion_tokens == first + 1
     assert texts[2] == tokenizer.decode(ids[:6]) and events[2][-1].completion_tokens == 7  # EOS: special, no text
-    assert all(evs[-1].finish_reason == "stop" for evs in events)
+    assert [evs[-1].finish_reason for evs in events] == ["stop", "stop", "stop", "length"]
+    assert texts[3] == text  # "END" completed before min_tokens
 
 
 def test_scheduler_queue_bound_and_cancellation_free_rows(tokenizer):

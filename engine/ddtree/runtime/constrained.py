@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -69,3 +70,26 @@ def constrain(
             except ConstraintError as exc:
                 failed[row], emitted[row] = str(exc), []
     return len(fixes), failed
+
+
+class MinTokens:
+    """vLLM's `min_tokens` as a constraint: the stop tokens are refused until `count` tokens have been
+    generated, so the target's choice among the others replaces a stop token drafted or chosen too early
+    (lossless as any constraint here: the target's distribution without its stop tokens)."""
+
+    def __init__(self, count: int, stop_token_ids: tuple[int, ...], vocab_size: int):
+        self.left, self.stop, self.vocab_size = count, frozenset(stop_token_ids), vocab_size
+
+    def validate(self, tokens: list[int]) -> int:
+        for i, token in enumerate(tokens[: self.left]):
+            if token in self.stop:
+                return i
+        return len(tokens)
+
+    def consume(self, tokens: list[int]) -> None:
+        self.left = max(0, self.left - len(tokens))
+
+    def allowed(self) -> Tensor:
+        allowed = torch.ones(self.vocab_size, dtype=torch.bool)
+        allowed[list(self.stop)] = False
+        return allowed

@@ -449,6 +449,31 @@ class EngineServer:
             raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
         return b"".join(chunks)
 
+    def _check_stops(self, s: Sampling, params, constrained: bool, keeps_logits: bool) -> bool:
+        """Refuse stop_token_ids outside the vocabulary and a min_tokens that cannot be held; whether
+        min_tokens holds stop tokens back. That is a constraint (runtime/constrained.py): the kept logits
+        choose what replaces an early stop token; a grammar, which may have nothing left but to stop, does
+        not go with it."""
+        if outside := [t for t in s.stop_token_ids if t >= self.grammars.vocab]:
+            raise bad_request(
+                f"'stop_token_ids': {outside[0]} is outside the vocabulary of {self.grammars.vocab}", "stop_token_ids"
+            )
+        if s.min_tokens > params.max_new_tokens:
+            raise bad_request(
+                f"'min_tokens' ({s.min_tokens}) is more than max_tokens ({params.max_new_tokens})", "min_tokens"
+            )
+        holds = s.min_tokens > 0 and bool(params.stop_token_ids)
+        if holds and constrained:
+            raise bad_request(
+                "'min_tokens' cannot go with a grammar ('response_format' or a required tool call)", "min_tokens"
+            )
+        if holds and not keeps_logits:
+            raise bad_request(
+                "this server keeps no logits to hold stop tokens back with (it was started with --max-logprobs 0)",
+                "min_tokens",
+            )
+        return holds
+
     async def prepare(self, work, *args):
         """Run `work(*args)` on the preparation thread (429 when its queue is full)."""
         if self.preparing >= self.preparing_limit:
@@ -536,10 +561,7 @@ class EngineServer:
             seed=s.seed,
             stop_token_ids=tuple(dict.fromkeys((() if s.ignore_eos else self.stop_token_ids) + s.stop_token_ids)),
         )
-        if s.stop_token_ids and (outside := [t for t in s.stop_token_ids if t >= self.grammars.vocab]):
-            raise bad_request(
-                f"'stop_token_ids': {outside[0]} is outside the vocabulary of {self.grammars.vocab}", "stop_token_ids"
-            )
+        holds_stops = self._check_stops(s, params, grammar is not None, keeps_logits)
         try:
             self.engine.check_request(prompt, params)
         except ValueError as exc:
@@ -552,6 +574,10 @@ class EngineServer:
         reqs: list[Request] = []
         for i in range(s.n):
             constraint = await self.prepare(self.grammars.constraint, grammar) if grammar is not None else None
+            if holds_stops:
+                from ..runtime.constrained import MinTokens
+
+                constraint = MinTokens(s.min_tokens, params.stop_token_ids, self.grammars.vocab)
             reqs.append(
                 Request(
                     prompt,
@@ -563,6 +589,7 @@ class EngineServer:
                     constraint=constraint,
                     shown_stop_ids=s.stop_token_ids,
                     include_stop_str=s.include_stop_str_in_output,
+                    min_tokens=s.min_tokens,
                     first_choice=reqs[0] if reqs else None,
                 )
             )

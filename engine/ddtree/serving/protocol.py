@@ -106,7 +106,6 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
         "logit_bias": (None, {}),
         # vLLM's extensions that change the output
         "repetition_penalty": (None, 1, 1.0),
-        "min_tokens": (None, 0),
         "bad_words": (None, []),
         "allowed_token_ids": (None, []),
         "use_beam_search": (None, False),
@@ -182,6 +181,9 @@ class Sampling:
             )
         self.stop_token_ids = tuple(ids or ())
         self.include_stop_str_in_output = get_bool(body, "include_stop_str_in_output")
+        self.min_tokens = get_int(body, "min_tokens", 0)  # extension (as in vLLM): no stop before that many
+        if self.min_tokens < 0:
+            raise bad_request(f"'min_tokens' must be >= 0, got {self.min_tokens}", "min_tokens")
         self.stream = get_bool(body, "stream")
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):

@@ -101,6 +101,7 @@ class Request:
         first_choice: Request | None = None,  # for a later choice of an API request (`n`), its first one
         shown_stop_ids: Iterable[int] = (),  # stop tokens whose text ends the completion (the request's own)
         include_stop_str: bool = False,  # a stop string that ends the completion stays in its text
+        min_tokens: int = 0,  # stop strings are looked for from this many tokens on (stop tokens: a constraint)
     ):
         self.id = next(_ids)
         self.first_choice = first_choice
@@ -116,6 +117,7 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.shown_stop_ids = frozenset(shown_stop_ids)
         self.include_stop_str = include_stop_str
+        self.min_tokens = min_tokens
         self.stop = [s for s in (stop or []) if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.sink = sink
@@ -478,12 +480,13 @@ class Scheduler:
             req.pending_logprobs.append(TokenLogprob(token, data, lp, alternatives, req.text_offsets.chars(t, data)))
 
     def _append_text(self, req: Request, piece: str) -> bool:
-        """Add decoded text; True when a stop string completed (the text is then cut before it)."""
+        """Add decoded text; True when a stop string completed (the text is then cut before it). Before
+        min_tokens tokens a stop string does not count (vLLM's rule)."""
         if not piece:
             return False
         start = max(0, len(req.text) - req.max_stop + 1)
         req.text += piece
-        if not req.stop:
+        if not req.stop or len(req.token_ids) < req.min_tokens:
             return False
         hits = [(i, -len(s)) for i, s in ((req.text.find(s, start), s) for s in req.stop) if i >= 0]
         if hits:
