@@ -250,13 +250,14 @@ def test_quantized_layers_split_over_two_gpus_equal_one_gpu(tmp_path, kind, size
 
 @pytest.mark.parametrize(
     "name,whole_experts",
-    [("deepseek-v3", True), ("deepseek-v3", False), ("kimi-k2.6", False)],
-    ids=["deepseek-v3", "deepseek-v3-experts-by-width", "kimi-k2.6-experts-by-width"],
+    [("deepseek-v3", True), ("deepseek-v3", False), ("kimi-k2-instruct", True), ("kimi-k2.6", False)],
+    ids=["deepseek-v3", "deepseek-v3-experts-by-width", "kimi-k2-instruct", "kimi-k2.6-experts-by-width"],
 )
 def test_published_quantized_models_split_over_eight_ranks_along_their_scales(name, whole_experts):
-    """The published sizes (4 layers of them: every kind of layer) on the meta device, quantized as their
+    """The published sizes (the dense layers and one MoE layer of them) on the meta device, quantized as their
     checkpoints are and cut for the last of 8 ranks: nothing refused, and the scale slices that loading will
-    read are that rank's blocks (DeepSeek-V3: 128 x 128) or groups (Kimi K2.6's experts: 32 inputs)."""
+    read are that rank's blocks (DeepSeek-V3, Kimi K2 Instruct: FP8 128 x 128) or groups (Kimi K2.6's
+    experts: INT4, 32 inputs)."""
     raw = json.loads((CONFIGS / f"{name}.json").read_text())
     text = raw.get("text_config", raw)
     text["num_hidden_layers"] = text["first_k_dense_replace"] + 1
@@ -276,11 +277,15 @@ def test_published_quantized_models_split_over_eight_ranks_along_their_scales(na
     shard(model, 7, 8, whole_experts)
     layer = model.model.layers[-1]
     expected = {"mlp.experts.0.down_proj": (1, 7 * 2, 2) if scheme.kind == "fp8_block" else (1, 7 * 8, 8)}
-    if scheme.kind == "fp8_block":  # 128 heads: 16 a rank; 128 x 192 q rows, 128 x 256 kv_b rows, 128 x 128 o inputs
+    if scheme.kind == "fp8_block":
+        # a rank's heads: 16 of DeepSeek-V3's 128, 8 of Kimi K2's 64; blocks of their q rows (192 a head),
+        # kv_b rows (256 a head) and o inputs (128 a head)
+        heads = {"deepseek-v3": 16, "kimi-k2-instruct": 8}[name]
+        q, kv, o = heads * 192 // 128, heads * 256 // 128, heads * 128 // 128
         expected |= {
-            "self_attn.q_b_proj": (0, 7 * 24, 24),
-            "self_attn.kv_b_proj": (0, 7 * 32, 32),
-            "self_attn.o_proj": (1, 7 * 16, 16),
+            "self_attn.q_b_proj": (0, 7 * q, q),
+            "self_attn.kv_b_proj": (0, 7 * kv, kv),
+            "self_attn.o_proj": (1, 7 * o, o),
             "mlp.shared_experts.down_proj": (1, 7 * 2, 2),
         }
         dense = model.model.layers[0].mlp  # 18432 wide: 2304 a rank
@@ -288,7 +293,8 @@ def test_published_quantized_models_split_over_eight_ranks_along_their_scales(na
         assert not hasattr(layer.self_attn.q_a_proj.weight_scale_inv, "checkpoint_slice")  # replicated
     if whole_experts:
         expected.pop("mlp.experts.0.down_proj")
-        assert layer.mlp.first_expert == 7 * 32 and len(layer.mlp.experts) == 32
+        experts = cfg.n_routed_experts // 8
+        assert layer.mlp.first_expert == 7 * experts and len(layer.mlp.experts) == experts
     for module_name, want in expected.items():
         module = layer.get_submodule(module_name)
         scales = module.weight_scale_inv if scheme.kind == "fp8_block" else module.weight_scale
