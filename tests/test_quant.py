@@ -296,6 +296,12 @@ def test_quantize_modules_refusals():
         biased = tiny_tree(bias=True)
     attn = written_state("int4", quantized=("self_attn",))
     one_line_error("'layers.0.self_attn.o_proj' has a bias", quantize_modules, biased, int4_scheme, attn)
+    with torch.device("meta"):
+        plain = tiny_tree()
+    head = written_state("fp8", quantized=("lm_head",))
+    one_line_error(
+        "'lm_head.weight_scale_inv': a quantized LM head is not implemented", quantize_modules, plain, fp8_scheme, head
+    )
 
 
 def test_load_refuses_recast_or_reshaped_tensors():

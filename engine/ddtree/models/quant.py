@@ -266,6 +266,11 @@ def quantize_modules(model: nn.Module, scheme: QuantScheme | None, checkpoint_ke
             continue
         if module.bias is not None:
             raise ValueError(f"linear layer '{name}' has a bias: quantized layers with a bias are not implemented")
+        if name == "lm_head":  # the logits, the tied embedding and the vocabulary split read its weight
+            raise ValueError(
+                f"checkpoint tensor '{name}.{marker}': a quantized LM head is not implemented (published "
+                "checkpoints leave it unquantized: their quantization_config ignores lm_head)"
+            )
         device = module.weight.device
         new: nn.Module
         if scheme.kind == "int4":
