@@ -115,10 +115,10 @@ def test_top_k_and_min_p_bound_every_sampled_token(method):
     assert misses["free"][0] > 0 and misses["free"][1] > 0, f"the filters must bind here: {misses}"
 
 
-def test_min_tokens_holds_stop_tokens_back_losslessly_through_the_server(tiny_target):
-    """min_tokens (vLLM's): no stop token among the first min_tokens, held as a constraint after the verify.
-    ddtree's completion is greedy decoding with the stop token's logit masked at those positions, then
-    plain greedy decoding (the reference: full forwards of the target). Fields it cannot go with are 400s."""
+def test_min_tokens_and_allowed_token_ids_hold_tokens_back_losslessly_through_the_server(tiny_target):
+    """min_tokens (vLLM's): no stop token among the first min_tokens; allowed_token_ids: no token outside
+    the set. Held as constraints after the verify: ddtree's completion is greedy decoding with the refused
+    tokens' logits masked (the reference: full forwards of the target). Fields they cannot go with are 400s."""
     import openai
 
     from ddtree.models.random import ByteTokenizer
@@ -133,10 +133,12 @@ def test_min_tokens_holds_stop_tokens_back_losslessly_through_the_server(tiny_ta
     )
     stop = plain[4]  # the server's stop token: greedy decoding emits it fifth
 
-    def masked_greedy(min_tokens: int) -> list[int]:
+    def masked_greedy(min_tokens: int, allowed: list[int] | None = None) -> list[int]:
         out: list[int] = []
         while len(out) < 24 and stop not in out:
             log_probs = reference_log_probs(tiny_target, prompt + out)[-1]
+            if allowed is not None:
+                log_probs[[t for t in range(len(log_probs)) if t not in allowed]] = -math.inf
             if len(out) < min_tokens:
                 log_probs[stop] = -math.inf
             out.append(int(log_probs.argmax()))
@@ -155,10 +157,22 @@ def test_min_tokens_holds_stop_tokens_back_losslessly_through_the_server(tiny_ta
             assert got.usage.completion_tokens == len(expected), min_tokens
             assert got.choices[0].finish_reason == ("stop" if expected[-1] == stop else "length")
             assert got.choices[0].text == tokenizer.decode([t for t in expected if t != stop]), min_tokens
+        allowed = sorted(set(plain[5:12]) | {stop})  # 7 tokens greedy decoding takes later, and the stop token
+        for min_tokens in (0, 6):
+            expected = masked_greedy(min_tokens, allowed)
+            assert expected != masked_greedy(min_tokens)[: len(expected)], "the set must bind here"
+            body = {"min_tokens": min_tokens, "allowed_token_ids": allowed}
+            got = client.completions.create(**request, extra_body=body)
+            assert got.usage.completion_tokens == len(expected) and set(expected) <= set(allowed)
+            assert got.choices[0].text == tokenizer.decode([t for t in expected if t != stop]), min_tokens
         for bad, message in [
             ({"min_tokens": -1}, "'min_tokens' must be >= 0"),
             ({"min_tokens": 25}, r"'min_tokens' \(25\) is more than max_tokens \(24\)"),
             ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "'min_tokens' cannot go with a grammar"),
+            ({"allowed_token_ids": [1], "response_format": {"type": "json_object"}}, "'allowed_token_ids' cannot go"),
+            ({"allowed_token_ids": [stop], "min_tokens": 1}, "'allowed_token_ids' holds only stop tokens"),
+            ({"allowed_token_ids": [64]}, "'allowed_token_ids': 64 is outside the vocabulary of 64"),
+            ({"allowed_token_ids": "1"}, "'allowed_token_ids' must be a list of token ids"),
         ]:
             with pytest.raises(openai.BadRequestError, match=message):
                 client.completions.create(**request, extra_body=bad)

@@ -91,5 +91,49 @@ class MinTokens:
 
     def allowed(self) -> Tensor:
         allowed = torch.ones(self.vocab_size, dtype=torch.bool)
-        allowed[list(self.stop)] = False
+        if self.left:  # (asked after min_tokens too, when another constraint refused a token)
+            allowed[list(self.stop)] = False
+        return allowed
+
+
+class AllowedTokens:
+    """vLLM's `allowed_token_ids` as a constraint: every token from that set (the stop tokens too only if
+    it holds them)."""
+
+    def __init__(self, token_ids: tuple[int, ...], vocab_size: int):
+        self.ids = frozenset(token_ids)
+        self.mask = torch.zeros(vocab_size, dtype=torch.bool)
+        self.mask[list(self.ids)] = True
+
+    def validate(self, tokens: list[int]) -> int:
+        return next((i for i, token in enumerate(tokens) if token not in self.ids), len(tokens))
+
+    def consume(self, tokens: list[int]) -> None:
+        pass
+
+    def allowed(self) -> Tensor:
+        return self.mask.clone()
+
+
+class AllOf:
+    """Constraints that all hold: a token passes when each allows it (the caller makes sure that some token
+    always does)."""
+
+    def __init__(self, *constraints: Constraint):
+        self.constraints = constraints
+
+    def validate(self, tokens: list[int]) -> int:
+        good = len(tokens)
+        for constraint in self.constraints:
+            good = constraint.validate(tokens[:good])
+        return good
+
+    def consume(self, tokens: list[int]) -> None:
+        for constraint in self.constraints:
+            constraint.consume(tokens)
+
+    def allowed(self) -> Tensor:
+        allowed = self.constraints[0].allowed()
+        for constraint in self.constraints[1:]:
+            allowed &= constraint.allowed()
         return allowed

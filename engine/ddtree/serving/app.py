@@ -449,30 +449,41 @@ class EngineServer:
             raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
         return b"".join(chunks)
 
-    def _check_stops(self, s: Sampling, params, constrained: bool, keeps_logits: bool) -> bool:
-        """Refuse stop_token_ids outside the vocabulary and a min_tokens that cannot be held; whether
-        min_tokens holds stop tokens back. That is a constraint (runtime/constrained.py): the kept logits
-        choose what replaces an early stop token; a grammar, which may have nothing left but to stop, does
-        not go with it."""
-        if outside := [t for t in s.stop_token_ids if t >= self.grammars.vocab]:
-            raise bad_request(
-                f"'stop_token_ids': {outside[0]} is outside the vocabulary of {self.grammars.vocab}", "stop_token_ids"
-            )
+    def _token_constraint(self, s: Sampling, params, constrained: bool, keeps_logits: bool):
+        """The request's constraint on single tokens, as a maker of one per choice (None: it has none):
+        min_tokens holding its stop tokens back, allowed_token_ids. Both are held after the verify like a
+        grammar (runtime/constrained.py): the kept logits choose what replaces a refused token. Refuses ids
+        outside the vocabulary, a min_tokens past max_tokens, either with a grammar (which may need a token
+        they refuse, or nothing but a stop) and an allowed set with nothing left while stops are held."""
+        from ..runtime.constrained import AllOf, AllowedTokens, MinTokens
+
+        for key in ("stop_token_ids", "allowed_token_ids"):  # (the vocabulary read only when asked)
+            if outside := [t for t in getattr(s, key) if t >= self.grammars.vocab]:
+                raise bad_request(f"'{key}': {outside[0]} is outside the vocabulary of {self.grammars.vocab}", key)
         if s.min_tokens > params.max_new_tokens:
             raise bad_request(
                 f"'min_tokens' ({s.min_tokens}) is more than max_tokens ({params.max_new_tokens})", "min_tokens"
             )
         holds = s.min_tokens > 0 and bool(params.stop_token_ids)
-        if holds and constrained:
+        key = "min_tokens" if holds else "allowed_token_ids"
+        if not (holds or s.allowed_token_ids):
+            return None
+        if constrained:
+            raise bad_request(f"'{key}' cannot go with a grammar ('response_format' or a required tool call)", key)
+        if not keeps_logits:
             raise bad_request(
-                "'min_tokens' cannot go with a grammar ('response_format' or a required tool call)", "min_tokens"
+                "this server keeps no logits to hold tokens back with (it was started with --max-logprobs 0)", key
             )
-        if holds and not keeps_logits:
-            raise bad_request(
-                "this server keeps no logits to hold stop tokens back with (it was started with --max-logprobs 0)",
-                "min_tokens",
-            )
-        return holds
+        if holds and s.allowed_token_ids and set(s.allowed_token_ids) <= set(params.stop_token_ids):
+            raise bad_request("'allowed_token_ids' holds only stop tokens, which min_tokens holds back", "min_tokens")
+        vocab = self.grammars.vocab
+
+        def make():
+            parts = [MinTokens(s.min_tokens, params.stop_token_ids, vocab)] if holds else []
+            parts += [AllowedTokens(s.allowed_token_ids, vocab)] if s.allowed_token_ids else []
+            return parts[0] if len(parts) == 1 else AllOf(*parts)
+
+        return make
 
     async def prepare(self, work, *args):
         """Run `work(*args)` on the preparation thread (429 when its queue is full)."""
@@ -561,7 +572,7 @@ class EngineServer:
             seed=s.seed,
             stop_token_ids=tuple(dict.fromkeys((() if s.ignore_eos else self.stop_token_ids) + s.stop_token_ids)),
         )
-        holds_stops = self._check_stops(s, params, grammar is not None, keeps_logits)
+        token_constraint = self._token_constraint(s, params, grammar is not None, keeps_logits)
         try:
             self.engine.check_request(prompt, params)
         except ValueError as exc:
@@ -574,10 +585,8 @@ class EngineServer:
         reqs: list[Request] = []
         for i in range(s.n):
             constraint = await self.prepare(self.grammars.constraint, grammar) if grammar is not None else None
-            if holds_stops:
-                from ..runtime.constrained import MinTokens
-
-                constraint = MinTokens(s.min_tokens, params.stop_token_ids, self.grammars.vocab)
+            if token_constraint is not None:
+                constraint = token_constraint()
             reqs.append(
                 Request(
                     prompt,

@@ -123,8 +123,9 @@ class ServerMetrics:
         ).labels(model=model)
         self.grammar_replaced_tokens = counter(
             "ddtree_grammar_replaced_tokens",
-            "response_format, required tool calls and min_tokens: tokens the target chose that the request's "
-            "constraint refused, replaced by its best allowed token (each ends its round's accepted path there)",
+            "response_format, required tool calls, min_tokens, allowed_token_ids: tokens the target chose that "
+            "the request's constraint refused, replaced by its best allowed token (each ends its round's accepted "
+            "path there)",
         ).labels(model=model)
         self.connections_refused = counter(
             "ddtree_connections_refused", "Connections answered 503 and closed: max_connections were open"

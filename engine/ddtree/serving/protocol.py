@@ -107,7 +107,6 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
         # vLLM's extensions that change the output
         "repetition_penalty": (None, 1, 1.0),
         "bad_words": (None, []),
-        "allowed_token_ids": (None, []),
         "use_beam_search": (None, False),
         "guided_json": (None,),
         "guided_regex": (None,),
@@ -180,6 +179,13 @@ class Sampling:
                 "stop_token_ids",
             )
         self.stop_token_ids = tuple(ids or ())
+        allowed = body.get("allowed_token_ids")  # extension (as in vLLM): every token from this set
+        if allowed is not None and (
+            not isinstance(allowed, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)
+        ):
+            raise bad_request("'allowed_token_ids' must be a list of token ids (integers >= 0)", "allowed_token_ids")
+        self.allowed_token_ids = tuple(allowed or ())
         self.include_stop_str_in_output = get_bool(body, "include_stop_str_in_output")
         self.min_tokens = get_int(body, "min_tokens", 0)  # extension (as in vLLM): no stop before that many
         if self.min_tokens < 0:
