@@ -41,8 +41,9 @@
 #            1 and 16 (ar, dflash, ddtree B=8 and 32) for this tree (new-N) and an older one (old-N), alternated
 #            DDTREE_AB_PAIRS times (default 2) into OUT_DIR/ab/; DDTREE_AB_BEFORE is a folder holding the older
 #            tree's engine/ (`git archive REV engine | tar -x -C DIR`); DDTREE_AB_FLAGS adds bench flags to
-#            both sides (e.g. "--policy 1:32,16:8", which the older tree must know). report.py prints old -> new
-#            per phase, and the kernels that moved most in each phase.
+#            both sides (e.g. "--policy 1:32,16:8", which the older tree must know); DDTREE_AB_MODEL and
+#            DDTREE_AB_DRAFTER replace the 8B shape and its drafter (random:kimi-k2.6-int4-3layers, random:1).
+#            report.py prints old -> new per phase, and the kernels that moved most in each phase.
 #
 # DDTREE_SERVE_METHODS picks the methods of the serve and serve-8b parts (default "ar dflash ddtree").
 #
@@ -266,8 +267,8 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
         for side in new old; do
           engine=$PWD/engine
           [[ $side == old ]] && engine=$before/engine
-          PYTHONPATH=$engine:$PWD/operator $PY -m ddtree bench --model random:qwen3-8b --drafter random:5 \
-            --kernels triton --methods ar,dflash,ddtree --budgets 8,32 --batch-sizes 1,16 --graphs on --rounds 8 \
+          PYTHONPATH=$engine:$PWD/operator $PY -m ddtree bench --model "${DDTREE_AB_MODEL:-random:qwen3-8b}" \
+            --drafter "${DDTREE_AB_DRAFTER:-random:5}" --kernels triton --methods ar,dflash,ddtree --budgets 8,32 --batch-sizes 1,16 --graphs on --rounds 8 \
             "${flags[@]}" --out "$OUT_DIR/ab/$side-$i" || echo "ab: the $side-$i run failed" >&2
         done
       done ;;

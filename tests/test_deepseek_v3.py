@@ -384,32 +384,31 @@ def test_torch_backend_projects_q_and_the_latent_in_one_gemm(overrides, fused):
     assert type(target.model.layers[1].self_attn) is not FusedLatentAttention and attn.w_a is None
 
 
-@pytest.mark.triton_interpreter
-@pytest.mark.parametrize("through_sdpa", [False, True])
-def test_triton_backend_equals_the_reference_and_stays_lossless(monkeypatch, through_sdpa):
-    """On the Triton backend (the interpreter on CPU) MLA attends through mla_kernels.latent_attention
-    (or, past TritonLatentAttention.max_tokens query tokens, SDPA over gathered latents): a prefill and a
-    tree verify over rows in reverse order give the reference's logits (fp32), and greedy ddtree and
-    dflash emit plain decoding's tokens."""
+def check_triton_backend(device: str, through_sdpa: bool, monkeypatch) -> None:
+    """On the Triton backend MLA attends through mla_kernels.latent_attention (or, past
+    TritonLatentAttention.max_tokens query tokens, SDPA over gathered latents): a prefill and a tree verify
+    over rows in reverse order give the reference's logits (fp32), and greedy ddtree and dflash emit plain
+    decoding's tokens; on a GPU also from CUDA graphs, which the smoke test then passes."""
     from ddtree.runtime.fused import TritonLatentAttention, use_backend
+    from ddtree.runtime.smoke import run_smoke
 
     if through_sdpa:
         monkeypatch.setattr(TritonLatentAttention, "max_tokens", 0)
-    target = tiny_mla(seed=4)
+    target = tiny_mla(seed=4).to(device)
     prefix = torch.randint(0, target.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
     tree = build_ddtree(torch.tensor([4, 6]), 2 * torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(6)), 16)
     L, n = prefix.shape[1], tree.size
-    rows = torch.tensor([1, 0])
+    rows = torch.tensor([1, 0], device=device)
 
     def logits(backend: str) -> torch.Tensor:
         use_backend(target, backend)
         target.setup_caches(max_batch=2, max_slots=32)
-        j = torch.arange(L)
-        verify_mask = tree_mask(torch.tensor([L, L]), tree.visible, L + n)
+        j = torch.arange(L, device=device).expand(2, -1)
+        verify_mask = tree_mask(torch.tensor([L, L]), tree.visible, L + n).to(device)
         with torch.no_grad():
-            first, _ = target(prefix.flip(0), j.expand(2, -1), j.expand(2, -1), causal(L).expand(2, 1, L, L), rows=rows)
-            slots = L + torch.arange(n).expand(2, -1)
-            second, _ = target(tree.tokens, L + tree.depth, slots, verify_mask, rows=rows)
+            first, _ = target(prefix.flip(0).to(device), j, j, causal(L).expand(2, 1, L, L).to(device), rows=rows)
+            slots = (L + torch.arange(n)).expand(2, -1).to(device)
+            second, _ = target(tree.tokens.to(device), (L + tree.depth).to(device), slots, verify_mask, rows=rows)
         return torch.cat([first, second], dim=1)
 
     expect = logits("reference")
@@ -420,7 +419,7 @@ def test_triton_backend_equals_the_reference_and_stays_lossless(monkeypatch, thr
         return  # the rounds below attend through the kernel (up to 33 tokens)
     sp = SamplingParams(max_new_tokens=12)
     plain = Engine(target, None, "ar", max_batch_size=3, max_seq_len=64).generate(PROMPTS, sp)
-    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=8), seed=1)
+    drafter = init_drafter(DrafterConfig.for_target(target.config, num_layers=1, block_size=8), seed=1).to(device)
     use_backend(target, "reference")
     ref = Engine(target, None, "ar", max_batch_size=3, max_seq_len=64).generate(PROMPTS, sp)
     assert [r.token_ids for r in plain] == [r.token_ids for r in ref]
@@ -428,6 +427,26 @@ def test_triton_backend_equals_the_reference_and_stays_lossless(monkeypatch, thr
     for method, budget in (("ddtree", 12), ("dflash", None)):
         eng = Engine(target, drafter, method, budget, max_batch_size=3, max_seq_len=64)
         assert [r.token_ids for r in eng.generate(PROMPTS, sp)] == [r.token_ids for r in ref], method
+        if device == "cuda":
+            eng.capture_graphs([1, 2, 3], [128])
+            rounds = eng.eager_rounds
+            assert [r.token_ids for r in eng.generate(PROMPTS, sp)] == [r.token_ids for r in ref], method
+            assert eng.eager_rounds == rounds, "every round replays a graph"
+            report = run_smoke(eng, [1, 2, 3], PROMPTS, max_new_tokens=6)
+            assert report.passed and report.mode == "cuda-graphs", report.reason
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("through_sdpa", [False, True])
+def test_triton_backend_equals_the_reference_and_stays_lossless(monkeypatch, through_sdpa):
+    check_triton_backend("cpu", through_sdpa, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
+@pytest.mark.parametrize("through_sdpa", [False, True])
+def test_compiled_triton_backend_equals_the_reference_and_replays_losslessly(monkeypatch, through_sdpa):
+    check_triton_backend("cuda", through_sdpa, monkeypatch)
 
 
 # ---- tensor parallelism --------------------------------------------------------------------------
