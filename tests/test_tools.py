@@ -447,10 +447,10 @@ class ScriptedEngine(UnlimitedPages):
 class ScriptedServer(InProcessServer):
     """The server over a ScriptedEngine."""
 
-    def __init__(self, tokenizer, parser: str = "auto"):
+    def __init__(self, tokenizer, parser: str = "auto", **settings):
         engine = ScriptedEngine(tokenizer.eos_token_id)
         # no logits kept: a scripted answer is never held to a tool_choice grammar (the real server's test is)
-        serving = {"max_seq_len": 1024, "tool_call_parser": parser, "max_logprobs": 0}
+        serving = {"max_seq_len": 1024, "tool_call_parser": parser, "max_logprobs": 0, **settings}
         super().__init__(engine, tokenizer, serving, (tokenizer.eos_token_id,), model="scripted")
         self.client = super().client()
 
@@ -463,8 +463,8 @@ class ScriptedServer(InProcessServer):
 def serve():
     servers = []
 
-    def start(tokenizer, parser: str = "auto") -> ScriptedServer:
-        servers.append(ScriptedServer(tokenizer, parser))
+    def start(tokenizer, parser: str = "auto", **settings) -> ScriptedServer:
+        servers.append(ScriptedServer(tokenizer, parser, **settings))
         return servers[-1]
 
     yield start

@@ -11,7 +11,15 @@ import argparse
 import importlib
 import sys
 
-from .config import AUTO, KERNEL_CHOICES, SMOKE_FAULTS, TOOL_CALL_PARSERS, KernelConfig, UsageError
+from .config import (
+    AUTO,
+    KERNEL_CHOICES,
+    REASONING_PARSERS,
+    SMOKE_FAULTS,
+    TOOL_CALL_PARSERS,
+    KernelConfig,
+    UsageError,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -348,6 +356,13 @@ def add_serve_commands(subparsers) -> None:
         choices=TOOL_CALL_PARSERS,
         default=UNSET,
         help="how tool calls are read from the generated text (default auto: from the chat template)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=UNSET,
+        help="how chat answers' reasoning (<think>...</think>) becomes reasoning_content (default auto: when the "
+        "chat template writes <think>)",
     )
     p.add_argument(
         "--max-logprobs",

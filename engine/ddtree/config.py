@@ -11,7 +11,8 @@ file value). The file uses the field names of the dataclasses, one section per d
     parallel:    {tensor_parallel, expert_parallel, replicate_drafter}
     serving:     {host, port, max_batch_size, max_seq_len, kv_cache_tokens, prefill_chunk, prefix_cache,
                   max_waiting, served_model_name,
-                  termination_log, api_key_file, parse_special_tokens, tool_call_parser, max_logprobs,
+                  termination_log, api_key_file, parse_special_tokens, tool_call_parser, reasoning_parser,
+                  max_logprobs,
                   max_connections,
                   header_timeout, body_timeout, keepalive_timeout}
 
@@ -34,6 +35,7 @@ AUTO = "auto"  # speculation.budget chosen every round (ddtree.runtime.budget)
 METHODS = ("ar", "dflash", "ddtree")
 KERNEL_CHOICES = ("auto", "torch", "triton")
 TOOL_CALL_PARSERS = ("auto", "hermes", "kimi_k2", "none")  # ddtree.serving.tools.FORMATS, auto and none
+REASONING_PARSERS = ("auto", "think", "none")  # ddtree.serving.reasoning
 DTYPE_NAMES = {
     "float32": "float32",
     "fp32": "float32",
@@ -126,6 +128,9 @@ class ServingConfig:
     parse_special_tokens: bool = False
     # how tool calls are read from the generated text: hermes, kimi_k2, none, or auto (from the chat template)
     tool_call_parser: str = "auto"
+    # how chat answers' reasoning is read out of the text: think (<think>...</think>), none, or auto (think
+    # when the chat template writes <think>)
+    reasoning_parser: str = "auto"
     # the most top tokens a request may ask log-probabilities for; 0 refuses logprobs and response_format,
     # and saves keeping the accepted path's logits every round
     max_logprobs: int = 20
@@ -183,6 +188,7 @@ FLAGS = {
     "api_key_file": "serving.api_key_file",
     "parse_special_tokens": "serving.parse_special_tokens",
     "tool_call_parser": "serving.tool_call_parser",
+    "reasoning_parser": "serving.reasoning_parser",
     "max_logprobs": "serving.max_logprobs",
     "max_connections": "serving.max_connections",
     "header_timeout": "serving.header_timeout",
@@ -448,6 +454,11 @@ class EngineConfig:
             raise ConfigError(
                 f"{n('serving.tool_call_parser')} must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                 f"got '{v.tool_call_parser}'"
+            )
+        if v.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(
+                f"{n('serving.reasoning_parser')} must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got '{v.reasoning_parser}'"
             )
         if v.max_connections < 1:
             raise ConfigError(f"{n('serving.max_connections')} must be >= 1, got {v.max_connections}")

@@ -226,6 +226,7 @@ class EngineServer:
         from ..runtime import compiles
         from .grammar import Grammars
         from .prompts import PromptEncoder
+        from .reasoning import CLOSE, OPEN, reasoning_parser
         from .scheduler import Scheduler
         from .token_bytes import TokenBytes
         from .tools import tool_call_format
@@ -239,6 +240,8 @@ class EngineServer:
         self.tool_markers_special = self.tool_format is not None and bool(
             set(self.tool_format.markers) & set(self.prompts.control)
         )
+        self.reads_reasoning = reasoning_parser(serving.reasoning_parser, tokenizer)
+        self.reasoning_markers_special = self.reads_reasoning and bool({OPEN, CLOSE} & set(self.prompts.control))
         # decoding happens on the engine thread: give it its own tokenizer instance
         decoding = copy.deepcopy(tokenizer)
         self.scheduler = Scheduler(
@@ -527,9 +530,9 @@ class EngineServer:
         budget = AUTO if self.engine.budgets is not None else self.engine.budget  # what the server runs
         s = Sampling(body, chat, budget, self.config.serving.max_logprobs)
         if chat:
-            prompt, tools = await self.prepare(self._prepare_chat, body)
+            prompt, tools, opened = await self.prepare(self._prepare_chat, body)
         else:
-            prompt, tools = await self.prepare(self.prompts.completion, body), None
+            prompt, tools, opened = await self.prepare(self.prompts.completion, body), None, False
         reads_calls = tools is not None and tools.rendered is not None  # tools rendered: calls parsed back
         keeps_logits = self.config.serving.max_logprobs > 0
         grammar = response_format_grammar(body, s.ignore_eos, keeps_logits)
@@ -573,6 +576,11 @@ class EngineServer:
             stop_token_ids=tuple(dict.fromkeys((() if s.ignore_eos else self.stop_token_ids) + s.stop_token_ids)),
         )
         token_constraint = self._token_constraint(s, params, grammar is not None, keeps_logits)
+        # reasoning is read out of chat answers a grammar does not shape; `opened`: the prompt opened it
+        reasoning = opened if chat and self.reads_reasoning and grammar is None else None
+        markers_special = (reads_calls and self.tool_markers_special) or (
+            reasoning is not None and self.reasoning_markers_special
+        )
         try:
             self.engine.check_request(prompt, params)
         except ValueError as exc:
@@ -593,7 +601,7 @@ class EngineServer:
                     params if i == 0 else replace(params, seed=None),  # a seed reseeds once
                     s.stop,
                     functools.partial(self._choice_event, loop, queue, i),  # called on the engine thread
-                    skip_special_tokens=not (reads_calls and self.tool_markers_special),
+                    skip_special_tokens=not markers_special,
                     logprobs=s.logprobs,
                     constraint=constraint,
                     shown_stop_ids=s.stop_token_ids,
@@ -612,8 +620,8 @@ class EngineServer:
         try:
             calls = tools if reads_calls else None
             if s.stream:
-                return await self._stream(request, reqs, queue, rid, chat, s.include_usage, calls)
-            return await self._collect(reqs, queue, rid, chat, calls)
+                return await self._stream(request, reqs, queue, rid, chat, s.include_usage, calls, reasoning)
+            return await self._collect(reqs, queue, rid, chat, calls, reasoning)
         finally:
             for req in reqs:
                 if req.finish_reason is None:
@@ -622,8 +630,10 @@ class EngineServer:
     def _choice_event(self, loop, queue: asyncio.Queue, index: int, event) -> None:
         self.relay.put(loop, queue, (index, event))
 
-    def _prepare_chat(self, body: dict) -> tuple[list[int], ToolRequest]:
-        """Token ids and tool request of a chat body (on the preparation thread)."""
+    def _prepare_chat(self, body: dict) -> tuple[list[int], ToolRequest, bool]:
+        """Token ids and tool request of a chat body, and whether its prompt opens the answer's reasoning (on
+        the preparation thread)."""
+        from .reasoning import opens_reasoning
         from .tools import ToolRequest
 
         tools = ToolRequest.from_body(body)
@@ -634,7 +644,9 @@ class EngineServer:
                 'writes one of those), or send "tool_choice": "none"',
                 "tools",
             )
-        return self.prompts.chat(body, tools.rendered), tools
+        ids = self.prompts.chat(body, tools.rendered)
+        opened = self.reads_reasoning and opens_reasoning(self.prompts.tokenizer.decode(ids[-8:]))
+        return ids, tools, opened
 
     @staticmethod
     def _usage(reqs, completion_tokens: int) -> dict:
@@ -642,11 +654,15 @@ class EngineServer:
         p = len(reqs[0].prompt_ids)
         return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
-    async def _collect(self, reqs, queue, rid: str, chat: bool, tools: ToolRequest | None = None):
+    async def _collect(
+        self, reqs, queue, rid: str, chat: bool, tools: ToolRequest | None = None, reasoning: bool | None = None
+    ):
         """The whole response, a choice per request of `reqs`; `tools`: the request's, when tool calls are
-        read from the text."""
+        read from the text; `reasoning`: whether the prompt opened the reasoning, when it is read out (None:
+        not read)."""
         from aiohttp import web
 
+        from .reasoning import split_reasoning
         from .tools import split_tool_calls
 
         parts: list[list[str]] = [[] for _ in reqs]
@@ -670,6 +686,10 @@ class EngineServer:
                 logprobs = chat_logprobs(entries[i]) if chat else completion_logprobs(entries[i], 0)
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
+                if reasoning is not None:
+                    thought, message["content"] = split_reasoning(text, reasoning)
+                    message["reasoning_content"] = thought or None
+                    text = message["content"]
                 if tools is not None:
                     message["content"], calls = split_tool_calls(self.tool_format, text, tools.parallel)
                     if calls:
@@ -690,13 +710,22 @@ class EngineServer:
         )
 
     async def _stream(
-        self, request, reqs, queue, rid: str, chat: bool, include_usage: bool, tools: ToolRequest | None = None
+        self,
+        request,
+        reqs,
+        queue,
+        rid: str,
+        chat: bool,
+        include_usage: bool,
+        tools: ToolRequest | None = None,
+        reasoning: bool | None = None,
     ):
         """Server-sent events, each chunk one choice's (a choice per request of `reqs`); `tools`: the
         request's, when tool calls are read from the text (content streams as it comes, each call as
-        `tool_calls` deltas once it is complete)."""
+        `tool_calls` deltas once it is complete); `reasoning` as _collect's (`reasoning_content` deltas)."""
         from aiohttp import web
 
+        from .reasoning import ReasoningSplitter
         from .tools import ToolCallSplitter
 
         created = int(time.time())
@@ -705,7 +734,10 @@ class EngineServer:
         def splitter():
             return ToolCallSplitter(self.tool_format, tools.parallel) if tools is not None else None
 
-        choices = [_StreamedChoice(i, chat, splitter()) for i in range(len(reqs))]
+        choices = [
+            _StreamedChoice(i, chat, splitter(), ReasoningSplitter(reasoning) if reasoning is not None else None)
+            for i in range(len(reqs))
+        ]
 
         def chunk(choice: dict) -> dict:
             out = {"id": rid, "object": obj, "created": created, "model": self.name, "choices": [choice]}
@@ -757,10 +789,10 @@ class EngineServer:
 
 class _StreamedChoice:
     """One choice of a streamed response: its log-probabilities not yet sent, its text offset
-    (completions), its tool-call splitter; `feed` turns its events into chunk choices."""
+    (completions), its reasoning and tool-call splitters; `feed` turns its events into chunk choices."""
 
-    def __init__(self, index: int, chat: bool, splitter):
-        self.index, self.chat, self.splitter = index, chat, splitter
+    def __init__(self, index: int, chat: bool, splitter, reasoning=None):
+        self.index, self.chat, self.splitter, self.reasoning = index, chat, splitter, reasoning
         self.pending: list = []  # log-probabilities of tokens no chunk has carried yet
         self.offset = 0  # completions: characters of the completion the chunks' log-probabilities covered
 
@@ -777,16 +809,25 @@ class _StreamedChoice:
         return {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
     def feed(self, ev):
+        from .reasoning import REASONING
         from .tools import tool_call_deltas
 
         finish = ev.finish_reason
         self.pending.extend(ev.logprobs or [])
+        content = ev.text
+        if self.reasoning is not None:  # reasoning comes first, then content
+            content = ""
+            for kind, text in self.reasoning.feed(ev.text, final=finish is not None):
+                if kind == REASONING:
+                    yield self.delta(None, delta={"reasoning_content": text})
+                else:
+                    content += text
         if self.splitter is None:
-            if ev.text:
-                yield self.delta(ev.text)
+            if content:
+                yield self.delta(content)
         else:
             sent = len(self.splitter.calls)
-            for item in self.splitter.feed(ev.text, final=finish is not None):
+            for item in self.splitter.feed(content, final=finish is not None):
                 if isinstance(item, str):
                     yield self.delta(item)
                     continue
