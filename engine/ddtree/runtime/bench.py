@@ -378,9 +378,11 @@ def attention_sweep(
     max_rows: tuple[int, ...] = (64, 128),
     warps: tuple[int, ...] = (4,),
     stages: tuple[int, ...] = (2, 3),
+    block_ns: tuple[int, ...] = (64,),
 ) -> list[dict]:
     """kernels.attention's tuning knobs (chunk: key slots per program, 64 to one chunk for the whole span
-    unless `chunks` names them; max_rows; num_warps; num_stages) swept at the Qwen3-8B geometry (32 query
+    unless `chunks` names them; max_rows; num_warps; num_stages; block_n: keys per step, where the
+    default tile spills registers) swept at the Qwen3-8B geometry (32 query
     heads, 8 KV heads of 128) over `shapes` (batch, query tokens, cached tokens, span of the graph bucket;
     default: decode, draft and verify widths at batch 1 to 64): per shape, the default's time and every
     configuration's."""
@@ -408,12 +410,14 @@ def attention_sweep(
         reference = default()
         default_ms = _device_ms(default)
         knob_sets = []
-        for chunk, rows, num_warps, num_stages in itertools.product(
-            chunks or _doubling(64, span), max_rows, warps, stages
+        for chunk, rows, num_warps, num_stages, block_n in itertools.product(
+            chunks or _doubling(64, span), max_rows, warps, stages, block_ns
         ):
             knobs = dict(chunk=chunk, max_rows=rows, num_stages=num_stages)
             if warps != (4,):
                 knobs["num_warps"] = num_warps
+            if block_ns != (64,):
+                knobs["block_n"] = block_n
             knob_sets.append(knobs)
         configs = _timed_configs(default, knob_sets, reference)
         best = min(configs, key=lambda c: c["ms"])
