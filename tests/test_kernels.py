@@ -288,7 +288,8 @@ def check_latent_rope_cache(device, dtype, cases):
             for p in attn.parameters():
                 p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
         attn = attn.to(device, dtype)
-        bs, pool = 2, 40
+        bs = 2
+        pool = bs * T + 7
         q = torch.randn(bs, T, heads, nope + rope).to(device, dtype)
         kv = torch.randn(bs, T, rank + rope).to(device, dtype)
         positions = torch.randint(0, 500, (bs, T)).to(device)

@@ -273,8 +273,8 @@ def latent_attention(
     bounds: Tensor | None = None,
     chunk: int | None = None,
     block_m: int = 16,
-    block_n: int = 16,
-    num_warps: int = 8,
+    block_n: int = 32,
+    num_warps: int = 4,
     num_stages: int = 2,
 ) -> Tensor:
     """Masked attention of a few query tokens over the latent cache (a decode step, a verify tree).
