@@ -1265,29 +1265,27 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
     return tokens, parents, node_depth, valid.bool(), visible, scores
 
 
-def attention_launch(T: int, row_programs: int, span: int) -> tuple[int, int, int]:
-    """(key slots per program, pipeline stages, keys per step) of `attention`. Few programs along the rows
-    (bs * KV heads * row blocks) need short chunks to fill the GPU; many take long ones, which cut the
-    partial results to write and merge, down to one chunk for the whole span (no merge). Within 8 % of the
-    fastest of 64..4096 slots and two or three stages on the 8B shape at 1200 of 2048 and 3000 of 4096
-    slots on an H200 (2026-12-04, `bench.attention_sweep`; docs/engine.md, "Fused kernels"): 64 slots for
-    a one-token step at batch 1 and 128 for 9 and 16 tokens (8 row programs), 256 for 33 tokens at batch 1
-    (24), 512 for batch 4 at 33 tokens and batch 16 at one token (96-128), the whole span in three stages
-    for 9 and 16 tokens at batch 16 (128: 0.031 and 0.029 against 0.039 and 0.045 ms per layer in chunks
-    of 512), the whole span from batch 64 (512). Batch 16 at 33 tokens (384) takes the whole span in
-    three stages with 32 keys a step, where 64 spill registers: 0.061 against 0.086 ms a layer for 1024
-    slots in two stages with 64 keys (2026-12-05, the same sweep with `block_ns`)."""
+def attention_launch(T: int, row_programs: int, span: int) -> tuple[int, int]:
+    """(key slots per program, pipeline stages) of `attention`. Few programs along the rows (bs * KV heads
+    * row blocks) need short chunks to fill the GPU; many take long ones, which cut the partial results
+    to write and merge, down to one chunk for the whole span (no merge). Within 8 % of the fastest of
+    64..4096 slots and two or three stages on the 8B shape at 1200 of 2048 and 3000 of 4096 slots on an
+    H200 (2026-12-04, `bench.attention_sweep`; docs/engine.md, "Fused kernels"): 64 slots for a
+    one-token step at batch 1 and 128 for 9 and 16 tokens (8 row programs), 256 for 33 tokens at batch 1
+    (24), 512 for batch 4 at 33 tokens and batch 16 at one token (96-128), the whole span in three
+    stages for 9 and 16 tokens at batch 16 (128: 0.031 and 0.029 against 0.039 and 0.045 ms per layer in
+    chunks of 512), 1024 for batch 16 at 33 (384), the whole span from batch 64 (512)."""
     if row_programs >= 512:
-        return triton.next_power_of_2(span), 2, 64
+        return triton.next_power_of_2(span), 2
     if row_programs >= 256:
-        return (triton.next_power_of_2(span), 3, 32) if T > 16 else (1024, 2, 64)
+        return 1024, 2
     if row_programs >= 128 and 1 < T <= 16:
-        return triton.next_power_of_2(span), 3, 64
+        return triton.next_power_of_2(span), 3
     if row_programs >= 64:
-        return 512, 2, 64
+        return 512, 2
     if row_programs >= 24:
-        return 256, 2, 64
-    return (64 if T == 1 else 128), 2, 64
+        return 256, 2
+    return (64 if T == 1 else 128), 2
 
 
 def mask_bounds(mask: Tensor) -> Tensor:
@@ -1340,7 +1338,7 @@ def attention(
     bounds: Tensor | None = None,
     chunk: int | None = None,
     max_rows: int = 64,
-    block_n: int | None = None,
+    block_n: int = 64,
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> Tensor:
@@ -1357,8 +1355,8 @@ def attention(
     slots (default: attention_launch), one program per (sequence, KV head, block of max_rows rows of its
     query heads, chunk), and a second kernel merges the chunks' softmaxes (flash-decoding); with one
     chunk for the whole span the programs write the output themselves. The mask is read as is, and only
-    past the prefix every query sees. max_rows, block_n (keys per step; default: attention_launch), num_warps
-    and num_stages are tuning knobs, kept as arguments for configuration sweeps."""
+    past the prefix every query sees. max_rows, block_n (keys per step), num_warps and num_stages are
+    tuning knobs, kept as arguments for configuration sweeps."""
     bs, heads, T, hd = q.shape
     kv_heads, span = k_cache.shape[0], mask.shape[-1]
     assert heads % kv_heads == 0 and span <= slot_map.shape[1] and slot_map.stride(1) == 1
@@ -1372,8 +1370,8 @@ def attention(
     block_m = min(max_rows, max(16, triton.next_power_of_2(group * T)))
     block_d = max(16, triton.next_power_of_2(hd))
     row_blocks = triton.cdiv(group * T, block_m)
-    default_chunk, default_stages, default_block_n = attention_launch(T, bs * kv_heads * row_blocks, span)
-    chunk, num_stages, block_n = chunk or default_chunk, num_stages or default_stages, block_n or default_block_n
+    default_chunk, default_stages = attention_launch(T, bs * kv_heads * row_blocks, span)
+    chunk, num_stages = chunk or default_chunk, num_stages or default_stages
     splits = triton.cdiv(span, chunk)
     direct = splits == 1
     # the chunks' partial softmaxes (unused when one chunk holds every key)
