@@ -4,6 +4,7 @@ everywhere on a hand-made trace; the profile itself runs on a CUDA device."""
 import pytest
 import torch
 
+from ddtree.runtime import round_profile
 from ddtree.runtime.engine import Engine, SamplingParams
 from ddtree.runtime.round_profile import MARKER, phase_floors, round_phases, split_phases
 from ddtree.speculative.drafter import DrafterConfig, init_drafter
@@ -71,6 +72,31 @@ def test_floors_of_an_mla_target_read_its_latent_cache():
     floors = phase_floors(engine, 2, context=20, bandwidth=1e12, flops=1e15)
     latent = target.config.latent_dim * target.lm_head.weight.element_size() * target.config.num_hidden_layers
     assert floors["commit"]["bytes"] >= 2 * 2 * 9 * latent and floors["verify"]["flops"] > 0
+
+
+def test_floors_of_a_mixture_of_experts_count_the_experts_its_tokens_reach(monkeypatch):
+    """A decode step of tiny_mla (8 routed experts, 2 a token) reads 2 of each MoE block's 8 experts and
+    multiplies with them only; 18 rows (2 sequences, 9-token trees) reach 8 * (1 - (6/8)^18) on average."""
+    from ddtree.models.moe import SparseMoE
+    from ddtree.runtime.round_profile import routed_experts_read, stored_weights
+    from test_deepseek_v3 import tiny_mla
+
+    target = tiny_mla()
+    blocks = [m for m in target.modules() if isinstance(m, SparseMoE)]
+    experts = [stored_weights(b.experts) for b in blocks]
+    expert_bytes, expert_elements = sum(e[0] for e in experts), sum(e[1] for e in experts)
+    assert blocks and all(len(b.experts) == 8 and b.gate.top_k == 2 for b in blocks)
+    assert routed_experts_read(target, 1) == pytest.approx((expert_bytes * 6 / 8, expert_elements * 6 / 8))
+    assert routed_experts_read(target, 18)[0] == pytest.approx(expert_bytes * (6 / 8) ** 18)
+    assert routed_experts_read(target, 18)[1] == pytest.approx(expert_elements * 6 / 8)
+
+    # the verify of a decode step against the same floor with every expert read and multiplied
+    engine = Engine(target, None, "ar", None, max_batch_size=2, max_seq_len=64)
+    step = phase_floors(engine, 1, 20, 1e12, 1e15)["verify"]
+    monkeypatch.setattr(round_profile, "routed_experts_read", lambda model, tokens: (0.0, 0.0))
+    every_expert = phase_floors(engine, 1, 20, 1e12, 1e15)["verify"]
+    assert every_expert["bytes"] - step["bytes"] == pytest.approx(expert_bytes * 6 / 8, abs=1)
+    assert every_expert["flops"] - step["flops"] == pytest.approx(2 * expert_elements * 6 / 8, abs=2)
 
 
 @gpu

@@ -7,10 +7,11 @@ it launched, their time, and the gaps between them (launch latency inside the gr
 
 `phase_floors` gives each phase's lower bound from the bytes it must move and the FLOPs it must do, at
 the device's measured copy bandwidth and matmul throughput: the draft reads the drafter's weights, the
-target's LM head and the drafter's cache; the verify reads the target's weights (all of them: for a
-mixture of experts this is an upper bound of what a round needs) and its cache; the tree reads the draft
-logits; the commit moves the accepted path's cache entries and features. The floors count dense bf16
-weights (a quantized model's FLOPs are counted per stored element).
+target's LM head and the drafter's cache; the verify reads the target's weights and its cache (of a
+mixture of experts' routed experts, as many as its tokens are expected to reach when the router picks
+uniformly; each token multiplies with its k experts only); the tree reads the draft logits; the commit
+moves the accepted path's cache entries and features. The floors count dense bf16 weights (a quantized
+model's FLOPs are counted per stored element).
 """
 
 from __future__ import annotations
@@ -157,6 +158,25 @@ def stored_weights(model: torch.nn.Module, skip: frozenset[int] = frozenset()) -
     return nbytes, elements
 
 
+def routed_experts_read(model: torch.nn.Module, tokens: int) -> tuple[float, float]:
+    """(bytes, matrix elements) of `stored_weights` that a forward of `tokens` tokens does not touch in
+    its mixture-of-experts blocks: of E routed experts, with k per token, a router that picks uniformly
+    reaches E * (1 - (1 - k/E)^tokens) of them on average (the rest are bytes not read), and each token
+    multiplies with k of them (the rest are elements without FLOPs)."""
+    from ..models.moe import SparseMoE
+
+    unread_bytes = idle_elements = 0.0
+    for block in model.modules():
+        if not isinstance(block, SparseMoE):
+            continue
+        experts, k = len(block.experts), block.gate.top_k
+        nbytes, elements = stored_weights(block.experts)
+        reached = experts * (1 - (1 - min(k, experts) / experts) ** tokens)
+        unread_bytes += nbytes * (1 - reached / experts)
+        idle_elements += elements * (1 - min(k, experts) / experts)
+    return unread_bytes, idle_elements
+
+
 def matmul_throughput(device, size: int = 8192, dtype=torch.bfloat16) -> float:
     """Measured dense matmul FLOP/s of a size^3 GEMM in `dtype`."""
     a = torch.randn(size, size, device=device, dtype=dtype)
@@ -185,6 +205,8 @@ def phase_floors(engine, n: int, context: float, bandwidth: float, flops: float)
     head_width = getattr(cfg, "head_dim", None) or cfg.latent_dim  # MLA: each head reads the latents
     attention_width = cfg.num_attention_heads * head_width * cfg.num_hidden_layers
     tree, kv = plan.tree_size, cache_bytes_per_token(target)
+    unread, idle = routed_experts_read(target, n * tree)
+    target_bytes, target_elems = target_bytes - unread, target_elems - idle
     logits = n * tree * vocab * 4  # fp32 verify logits, written by the LM head and read by the decision
     counts = {
         "verify": (
