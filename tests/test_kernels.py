@@ -708,9 +708,10 @@ def test_attention_sweeps_check_each_configuration(monkeypatch):
     (row,) = bench.latent_sweep("cpu", shapes=[(2, 3, 40, 300)], heads=(4,), block_ms=(16,), warps=(4,))
     assert row["gathered_sdpa_ms"] == row["default_ms"] == 1.0
     assert [(c["chunk"], c["block_n"]) for c in row["configs"]] == [(256, 16), (256, 32), (512, 16), (512, 32)]
-    (row,) = bench.attention_sweep("cpu", shapes=[(1, 3, 40, 100)], max_rows=(16,), stages=(2,), block_ns=(32, 64))
+    sweep = dict(shapes=[(1, 3, 40, 100)], max_rows=(16,), stages=(2,), block_ns=(32, 64), layers=2)
+    (row,) = bench.attention_sweep("cpu", **sweep)
     assert [(c["chunk"], c["block_n"]) for c in row["configs"]] == [(64, 32), (64, 64), (128, 32), (128, 64)]
-    assert row["default_ms"] == 1.0
+    assert row["default_ms"] == 0.5 and {c["ms"] for c in row["configs"]} == {0.5}  # a layer's share
 
 
 @interp
