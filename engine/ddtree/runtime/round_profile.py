@@ -201,12 +201,12 @@ def phase_floors(engine, n: int, context: float, bandwidth: float, flops: float)
     vocab, hidden, depth = cfg.vocab_size, cfg.hidden_size, engine.max_depth
     # the verify gathers embedding rows, it does not read the table (unless it is the LM head too)
     tied = embed.data_ptr() == head.data_ptr()
-    target_bytes, target_elems = stored_weights(target, frozenset() if tied else frozenset({embed.data_ptr()}))
+    stored_bytes, stored_elems = stored_weights(target, frozenset() if tied else frozenset({embed.data_ptr()}))
     head_width = getattr(cfg, "head_dim", None) or cfg.latent_dim  # MLA: each head reads the latents
     attention_width = cfg.num_attention_heads * head_width * cfg.num_hidden_layers
     tree, kv = plan.tree_size, cache_bytes_per_token(target)
     unread, idle = routed_experts_read(target, n * tree)
-    target_bytes, target_elems = target_bytes - unread, target_elems - idle
+    target_bytes, target_elems = stored_bytes - unread, stored_elems - idle
     logits = n * tree * vocab * 4  # fp32 verify logits, written by the LM head and read by the decision
     counts = {
         "verify": (
