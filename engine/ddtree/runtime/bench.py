@@ -379,16 +379,16 @@ def attention_sweep(
     warps: tuple[int, ...] = (4,),
     stages: tuple[int, ...] = (2, 3),
     block_ns: tuple[int, ...] = (64,),
-    layers: int = 1,
+    layers: int = 8,
 ) -> list[dict]:
     """kernels.attention's tuning knobs (chunk: key slots per program, 64 to one chunk for the whole span
     unless `chunks` names them; max_rows; num_warps; num_stages; block_n: keys per step, where the
     default tile spills registers) swept at the Qwen3-8B geometry (32 query heads, 8 KV heads of 128)
     over `shapes` (batch, query tokens, cached tokens, span of the graph bucket; default: decode, draft
     and verify widths at batch 1 to 64): per shape, the default's time and every configuration's, in ms
-    a layer. With `layers` > 1 each timing runs one attention over each of that many caches in turn, as
-    a forward does: one cache replayed alone stays partly in L2 (a batch-16 cache of 1200 slots is 79
-    MB), which favoured configurations that were slower in whole rounds."""
+    a layer. Each timing runs one attention over each of `layers` caches in turn, as a forward does: one
+    cache replayed alone (layers=1) stays partly in L2 (a batch-16 cache of 1200 slots is 79 MB), which
+    favoured a configuration that was slower in whole rounds."""
     from ..models.layers import identity_slot_map
     from . import kernels
 
