@@ -78,7 +78,7 @@ def test_floors_of_a_mixture_of_experts_count_the_experts_its_tokens_reach(monke
     """A decode step of tiny_mla (8 routed experts, 2 a token) reads 2 of each MoE block's 8 experts and
     multiplies with them only; 18 rows (2 sequences, 9-token trees) reach 8 * (1 - (6/8)^18) on average."""
     from ddtree.models.moe import SparseMoE
-    from ddtree.runtime.round_profile import routed_experts_read, stored_weights
+    from ddtree.runtime.round_profile import unreached_experts, stored_weights
     from test_deepseek_v3 import tiny_mla
 
     target = tiny_mla()
@@ -86,14 +86,14 @@ def test_floors_of_a_mixture_of_experts_count_the_experts_its_tokens_reach(monke
     experts = [stored_weights(b.experts) for b in blocks]
     expert_bytes, expert_elements = sum(e[0] for e in experts), sum(e[1] for e in experts)
     assert blocks and all(len(b.experts) == 8 and b.gate.top_k == 2 for b in blocks)
-    assert routed_experts_read(target, 1) == pytest.approx((expert_bytes * 6 / 8, expert_elements * 6 / 8))
-    assert routed_experts_read(target, 18)[0] == pytest.approx(expert_bytes * (6 / 8) ** 18)
-    assert routed_experts_read(target, 18)[1] == pytest.approx(expert_elements * 6 / 8)
+    assert unreached_experts(target, 1) == pytest.approx((expert_bytes * 6 / 8, expert_elements * 6 / 8))
+    assert unreached_experts(target, 18)[0] == pytest.approx(expert_bytes * (6 / 8) ** 18)
+    assert unreached_experts(target, 18)[1] == pytest.approx(expert_elements * 6 / 8)
 
     # the verify of a decode step against the same floor with every expert read and multiplied
     engine = Engine(target, None, "ar", None, max_batch_size=2, max_seq_len=64)
     step = phase_floors(engine, 1, 20, 1e12, 1e15)["verify"]
-    monkeypatch.setattr(round_profile, "routed_experts_read", lambda model, tokens: (0.0, 0.0))
+    monkeypatch.setattr(round_profile, "unreached_experts", lambda model, tokens: (0.0, 0.0))
     every_expert = phase_floors(engine, 1, 20, 1e12, 1e15)["verify"]
     assert every_expert["bytes"] - step["bytes"] == pytest.approx(expert_bytes * 6 / 8, abs=1)
     assert every_expert["flops"] - step["flops"] == pytest.approx(2 * expert_elements * 6 / 8, abs=2)

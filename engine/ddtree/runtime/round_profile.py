@@ -158,22 +158,20 @@ def stored_weights(model: torch.nn.Module, skip: frozenset[int] = frozenset()) -
     return nbytes, elements
 
 
-def routed_experts_read(model: torch.nn.Module, tokens: int) -> tuple[float, float]:
-    """(bytes, matrix elements) of `stored_weights` that a forward of `tokens` tokens does not touch in
-    its mixture-of-experts blocks: of E routed experts, with k per token, a router that picks uniformly
-    reaches E * (1 - (1 - k/E)^tokens) of them on average (the rest are bytes not read), and each token
-    multiplies with k of them (the rest are elements without FLOPs)."""
+def unreached_experts(model: torch.nn.Module, tokens: int) -> tuple[float, float]:
+    """(bytes, matrix elements) of `stored_weights` that a forward of `tokens` tokens leaves alone in its
+    mixture-of-experts blocks: of E routed experts, with k per token, a router that picks uniformly
+    reaches E * (1 - (1 - k/E)^tokens) of them on average (the others' bytes are not read), and each
+    token multiplies with k of them (the other elements cost it no FLOPs)."""
     from ..models.moe import SparseMoE
 
     unread_bytes = idle_elements = 0.0
     for block in model.modules():
-        if not isinstance(block, SparseMoE):
-            continue
-        experts, k = len(block.experts), block.gate.top_k
-        nbytes, elements = stored_weights(block.experts)
-        reached = experts * (1 - (1 - min(k, experts) / experts) ** tokens)
-        unread_bytes += nbytes * (1 - reached / experts)
-        idle_elements += elements * (1 - min(k, experts) / experts)
+        if isinstance(block, SparseMoE):
+            left = 1 - min(block.gate.top_k, len(block.experts)) / len(block.experts)  # of a token's experts
+            nbytes, elements = stored_weights(block.experts)
+            unread_bytes += nbytes * left**tokens
+            idle_elements += elements * left
     return unread_bytes, idle_elements
 
 
@@ -205,7 +203,7 @@ def phase_floors(engine, n: int, context: float, bandwidth: float, flops: float)
     head_width = getattr(cfg, "head_dim", None) or cfg.latent_dim  # MLA: each head reads the latents
     attention_width = cfg.num_attention_heads * head_width * cfg.num_hidden_layers
     tree, kv = plan.tree_size, cache_bytes_per_token(target)
-    unread, idle = routed_experts_read(target, n * tree)
+    unread, idle = unreached_experts(target, n * tree)
     target_bytes, target_elems = stored_bytes - unread, stored_elems - idle
     logits = n * tree * vocab * 4  # fp32 verify logits, written by the LM head and read by the decision
     counts = {
