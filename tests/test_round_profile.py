@@ -78,7 +78,7 @@ def test_floors_of_a_mixture_of_experts_count_the_experts_its_tokens_reach(monke
     """A decode step of tiny_mla (8 routed experts, 2 a token) reads 2 of each MoE block's 8 experts and
     multiplies with them only; 18 rows (2 sequences, 9-token trees) reach 8 * (1 - (6/8)^18) on average."""
     from ddtree.models.moe import SparseMoE
-    from ddtree.runtime.round_profile import unreached_experts, stored_weights
+    from ddtree.runtime.round_profile import stored_weights, unreached_experts
     from test_deepseek_v3 import tiny_mla
 
     target = tiny_mla()
