@@ -4,6 +4,10 @@ dequantised by the PyTorch reference (ddtree.models.quant), packed by compressed
 The Triton kernels run on CPU under the interpreter (marker `triton_interpreter`, their own pytest run:
 `make test-triton-interpreter`) and compiled on a GPU (`gpu`)."""
 
+import os
+import pathlib
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,6 +52,99 @@ def test_the_int4_layout_is_compressed_tensors_pack_quantized():
     assert [(word >> (4 * j)) & 0xF for j in range(8)] == (q[0].int() + 8).tolist()
     dense = dequantize_int4(pack_to_int32(q, 4), torch.ones(1, 1), 8, 8, torch.float32)
     assert dense.tolist() == q.float().tolist()
+
+
+def run_packed_planes_ptx(asm: str, w0: int, w1: int, scales: int, dtype: torch.dtype) -> list[int]:
+    """Runs _packed_planes' PTX on one (word, word, scale pair) input, instruction by instruction, with the
+    PTX ISA's semantics for the few instructions it uses (32-bit registers; the two-lane FMAs round once,
+    in `dtype`): the eight output registers."""
+    mask = 0xFFFFFFFF
+
+    def lanes(x):  # a register's two 16-bit lanes as floats, low lane first
+        return torch.tensor([x & 0xFFFF, x >> 16], dtype=torch.int32).to(torch.int16).view(dtype).double()
+
+    def packed(values):  # float64 -> two lanes rounded once to `dtype`
+        bits = values.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+        return int(bits[0]) | int(bits[1]) << 16
+
+    regs = {"$8": w0 & mask, "$9": w1 & mask, "$10": scales & mask}
+
+    def val(x):
+        return regs[x] if x in regs else int(x, 16) if x.startswith("0x") else int(x)
+
+    for statement in asm.strip("{} ").split(";"):
+        if not statement.strip() or statement.strip().startswith(".reg"):
+            continue
+        op, args = statement.split(None, 1)
+        d, *src = (a.strip() for a in args.split(","))
+        a = [val(x) for x in src]
+        if op == "mov.b32":
+            regs[d] = a[0]
+        elif op == "prmt.b32":  # byte i of d is byte (selector nibble i) of {a[1]:a[0]}
+            pool = a[0] | a[1] << 32
+            regs[d] = sum(((pool >> 8 * ((a[2] >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif op == "shr.b32":
+            regs[d] = a[0] >> a[1]
+        elif op == "lop3.b32":  # bit by bit, the LUT indexed by (a, b, c) as 0xF0, 0xCC, 0xAA
+            regs[d] = sum(
+                ((a[3] >> ((a[0] >> i & 1) << 2 | (a[1] >> i & 1) << 1 | (a[2] >> i & 1))) & 1) << i for i in range(32)
+            )
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            regs[d] = packed(lanes(a[0]) * lanes(a[1]) + lanes(a[2]))
+        else:
+            raise AssertionError(f"no semantics for {op}")
+    return [regs[f"${j}"] for j in range(8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_dequantisation_ptx_equals_the_reference_bit_for_bit(dtype):
+    """The "packed" unpacking's PTX (compiled only for a GPU; in the interpreter "packed" runs as
+    "planes"), run here by its instructions' semantics on every nibble value and random scales, gives the
+    reference's dequantised weight ((q - 8) * scale in the scale's dtype) bit for bit."""
+    pytest.importorskip("triton")
+    from ddtree.runtime.quant_kernels import _packed_planes_asm
+
+    asm = _packed_planes_asm(dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    q = torch.arange(16, dtype=torch.int8).repeat(4)[torch.randperm(64, generator=g)].view(4, 16) - 8
+    packed = pack_to_int32(q, 4)  # [4, 2]: each row's two words are one asm call's pair
+    scale = ((torch.rand(4, 2, generator=g) - 0.5) / 7).to(dtype)  # one scale per word (group 8)
+    dense = dequantize_int4(packed, scale, 16, 8)
+    for row in range(4):
+        pair = scale[row].view(torch.int16).to(torch.int64) & 0xFFFF
+        out = run_packed_planes_ptx(asm, int(packed[row, 0]), int(packed[row, 1]), int(pair[0] | pair[1] << 16), dtype)
+        for j, reg in enumerate(out):
+            got = torch.tensor([reg & 0xFFFF, reg >> 16], dtype=torch.int32).to(torch.int16)
+            assert got.tolist() == dense[row, [j, 8 + j]].view(torch.int16).tolist(), (row, j)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles, outside the interpreter")
+def test_the_packed_grouped_kernel_compiles_for_sm_90_without_int_to_float_conversions(tmp_path):
+    """Ahead of time, without a GPU: ptxas takes the "packed" grouped INT4 kernel's PTX for sm_90a (Kimi
+    K2.6's gate/up, bf16), and its SASS dequantises with no integer-to-float conversion, where "planes"
+    takes one a weight."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddtree.runtime.quant_kernels import _grouped_int4_kernel
+
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ints = dict(q_ptr="*i32", rows_ptr="*i32", block_expert_ptr="*i32", N="i32")
+    sig = {n: ints.get(n, "*bf16" if n.endswith("_ptr") else "i64") for n in _grouped_int4_kernel.arg_names}
+    conversions = {}
+    for unpack in ("planes", "packed"):
+        consts = dict(K=7168, G=32, A_DIV=8, SILU_MUL=True, FP32_DOT=False, PRECISION="tf32")
+        consts |= dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UNPACK=unpack)
+        src = ASTSource(_grouped_int4_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+        cubin = tmp_path / f"{unpack}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run(
+            [str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+        )
+        conversions[unpack] = sass.stdout.count("I2F")
+    assert conversions["packed"] == 0 and conversions["planes"] >= 128, conversions
 
 
 INT4_CASES = [  # (N, K, group): groups narrower than a K tile and a partial one, whole tiles, per channel

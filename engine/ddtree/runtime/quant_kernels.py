@@ -42,6 +42,49 @@ if triton is not None:
         """Plane J of a tile of packed words, dequantised to fp32 ((q - 8) * scale)."""
         return (((words >> (4 * J)) & 0xF) - 8).to(tl.float32) * scale
 
+    def _packed_planes_asm(bf16: bool) -> str:
+        """PTX for _packed_planes: inputs $8, $9 (two packed words) and $10 (their scales, two 16-bit lanes),
+        outputs $0..$7 (plane j of both words, two 16-bit lanes)."""
+        one, bias, magic, fma = (
+            ("0x3F803F80", "0xC308C308", "0x43004300", "fma.rn.bf16x2")  # 1.0, -136.0, 128.0
+            if bf16
+            else ("0x3C003C00", "0xE408E408", "0x64006400", "fma.rn.f16x2")  # 1.0, -1032.0, 1024.0
+        )
+        asm = [
+            "{ .reg .b32 lo, hi, t, one, bias, nz;",
+            f"mov.b32 one, {one}; mov.b32 bias, {bias}; mov.b32 nz, 0x80008000;",
+            # lo: nibbles 0-3 of $8 in the low half, of $9 in the high half; hi: nibbles 4-7
+            "prmt.b32 lo, $8, $9, 0x5410; prmt.b32 hi, $8, $9, 0x7632;",
+        ]
+        for j in range(8):
+            src, shift = ("lo", "hi")[j // 4], 4 * (j % 4)
+            if shift:
+                asm.append(f"shr.b32 t, {src}, {shift};")
+                src = "t"
+            # (src & 0x000F000F) | magic: magic + q in each lane; then (that - (magic + 8)) * scale
+            asm.append(f"lop3.b32 t, {src}, 0x000F000F, {magic}, 0xEA; {fma} t, t, one, bias; {fma} ${j}, t, $10, nz;")
+        return " ".join(asm) + " }"
+
+    _PLANES_BF16 = tl.constexpr(_packed_planes_asm(True))
+    _PLANES_FP16 = tl.constexpr(_packed_planes_asm(False))
+
+    @triton.jit
+    def _packed_planes(words, scale):
+        """The eight nibble planes of a tile of packed words, dequantised ((q - 8) * scale) in the scale's
+        16-bit dtype by packed two-lane arithmetic, two words at a time, with no integer-to-float
+        conversion: a nibble OR-ed into the mantissa of 128.0 (bf16; 1024.0 in fp16) is 128 + q exactly,
+        one FMA subtracts 136 (q - 8, exact) and one multiplies by the scale (one rounding, as the
+        reference's (q - 8) * scale in that dtype): about 2 instructions a weight, against a shift, a
+        mask, a conversion, a multiply and half a pack on the fp32 path (docs/engine.md, "Quantized weights")."""
+        return tl.inline_asm_elementwise(
+            _PLANES_BF16 if scale.dtype == tl.bfloat16 else _PLANES_FP16,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+            [words, scale],
+            dtype=(scale.dtype,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+
     @triton.jit
     def _int4_tile(
         q_rows, s_rows, k0, K, n_ok, G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, UNPACK: tl.constexpr
@@ -86,7 +129,7 @@ if triton is not None:
         GEMV: tl.constexpr,
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
-        UNPACK: tl.constexpr,  # "planes" (always for GEMV), "gather" or "expand": see _int4_tile
+        UNPACK: tl.constexpr,  # "planes" (always for GEMV), "packed", "gather" or "expand": see INT4_UNPACK
     ):
         # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice (all of K unless split)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -102,14 +145,19 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_SPLIT, BLOCK_K):
-            if UNPACK == "planes":
+            if UNPACK == "planes" or UNPACK == "packed":
                 word = (split * K_SPLIT + k0) // 8 + i
                 w_ok = word < (K + 7) // 8
                 tile_ok = w_ok[:, None] & n_ok[None, :]
                 words = tl.load(q_rows + word[:, None], mask=tile_ok, other=0)
-                scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+                scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0)
+                if UNPACK == "packed":
+                    planes = _packed_planes(words, scale.to(x_ptr.dtype.element_ty))
                 for j in tl.static_range(8):
-                    w = _nibbles(words, scale, j)
+                    if UNPACK == "packed":
+                        w = planes[j]
+                    else:
+                        w = _nibbles(words, scale.to(tl.float32), j)
                     kk = word * 8 + j
                     if GEMV:
                         a = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
@@ -244,27 +292,36 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if UNPACK == "planes":
+            if UNPACK == "planes" or UNPACK == "packed":
                 word = k0 // 8 + i
                 w_ok = word < (K + 7) // 8
                 tile_ok = w_ok[:, None] & n_ok[None, :]
                 words = tl.load(q_rows + word[:, None], mask=tile_ok, other=0)
-                scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+                scale = tl.load(s_rows + (word * 8 // G)[:, None], mask=tile_ok, other=0.0)
                 if SILU_MUL:  # the up rows follow the N gate rows
                     words_up = tl.load(q_rows + N * q_stride_n + word[:, None], mask=tile_ok, other=0)
                     scale_up = tl.load(s_rows + N * s_stride_n + (word * 8 // G)[:, None], mask=tile_ok, other=0.0)
-                    scale_up = scale_up.to(tl.float32)
+                if UNPACK == "packed":
+                    planes = _packed_planes(words, scale.to(a_ptr.dtype.element_ty))
+                    if SILU_MUL:
+                        planes_up = _packed_planes(words_up, scale_up.to(a_ptr.dtype.element_ty))
                 for j in tl.static_range(8):
                     kk = word * 8 + j
                     a = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0.0)
-                    w = _nibbles(words, scale, j)
+                    if UNPACK == "packed":
+                        w = planes[j]
+                    else:
+                        w = _nibbles(words, scale.to(tl.float32), j)
                     if FP32_DOT:  # the interpreter computes bf16 dots wrongly
                         a = a.to(tl.float32)
                     else:
                         w = w.to(a.dtype)
                     acc = tl.dot(a, w, acc, input_precision=PRECISION)
                     if SILU_MUL:
-                        w_up = _nibbles(words_up, scale_up, j)
+                        if UNPACK == "packed":
+                            w_up = planes_up[j]
+                        else:
+                            w_up = _nibbles(words_up, scale_up.to(tl.float32), j)
                         if not FP32_DOT:
                             w_up = w_up.to(a.dtype)
                         acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
@@ -305,14 +362,22 @@ def _groups_fit(k: int, group_size: int) -> bool:
     return k % group_size == 0 and (group_size % 8 == 0 or group_size == k)
 
 
-INT4_UNPACK = ("planes", "gather", "expand")
+INT4_UNPACK = ("planes", "packed", "gather", "expand")
 """How the INT4 dot path (two rows or more) unpacks a K tile: "planes", eight dots of inner size
-BLOCK_K / 8 over nibble planes; "gather" and "expand", one dot of inner size BLOCK_K over the whole tile
-(see _int4_tile). The decode GEMV (one row) is the same for all three. Defaults, from one H200
-(docs/benchmarks.md, "Loading and quantized weights"): "expand" for int4_linear (2.6x faster than
-"planes" at 33 rows of Kimi's expert shapes), "planes" for the grouped expert GEMM (1.4x faster than
-"expand" there); "gather" was slowest in both."""
-LINEAR_UNPACK, GROUPED_UNPACK = "expand", "planes"
+BLOCK_K / 8 over nibble planes, dequantised in fp32; "packed", the same planes dequantised two words at a
+time in the activations' 16-bit dtype (_packed_planes; it runs as "planes" over fp32 activations and in
+the interpreter); "gather" and "expand", one dot of inner size BLOCK_K over the whole tile (see
+_int4_tile). The decode GEMV (one row) is the same for all. Defaults (docs/benchmarks.md, "Loading and
+quantized weights"): "expand" for int4_linear (2.6x faster than "planes" at 33 rows of Kimi's expert
+shapes on an H200; "packed" there: not measured), "packed" for the grouped expert GEMM (1.2-1.3x faster
+than "planes" on an H100, which is 1.3-1.4x faster than "expand"); "gather" was slowest in both."""
+LINEAR_UNPACK, GROUPED_UNPACK = "expand", "packed"
+
+
+def _kernel_unpack(unpack: str, x: Tensor) -> str:
+    """The kernels' UNPACK for `unpack`: "packed" needs 16-bit activations and compiled PTX."""
+    packs = x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+    return "planes" if unpack == "packed" and not packs else unpack
 
 
 def _tiles(rows: int, unpack: str = "planes") -> tuple[int, int, int, int]:
@@ -322,7 +387,7 @@ def _tiles(rows: int, unpack: str = "planes") -> tuple[int, int, int, int]:
     one-dot unpackings, whose dequantisation is shared by twice the rows)."""
     if rows == 1:
         return 1, 32, 4, 3
-    if rows > 64 and unpack != "planes":
+    if rows > 64 and unpack in ("gather", "expand"):
         return 128, 64, 4, 3
     return (16 if rows <= 16 else 32 if rows <= 32 else 64), 64, 4, 3
 
@@ -399,7 +464,7 @@ def int4_linear(
     unpack: str = LINEAR_UNPACK,
 ) -> Tensor:
     """x [..., K] @ w.T for the INT4 weight packed [N, ceil(K / 8)] (int32), scale [N, K / G] (W4A16): [..., N] in
-    x.dtype. block_k: for one row and "planes", a multiple of 128 (a nibble plane is a dot of inner size
+    x.dtype. block_k: for one row, "planes" and "packed", a multiple of 128 (a nibble plane is a dot of inner size
     block_k / 8); for "gather" and "expand", a power of two from 16. None: 256 for one row, else
     _dot_block_k (256 took 200+ registers a thread on sm_90 and spilled at BLOCK_N 128). split_k: K splits
     (None: enough to fill the GPU). unpack: one of INT4_UNPACK (one row: always the GEMV)."""
@@ -411,19 +476,29 @@ def int4_linear(
     assert packed.dtype == torch.int32 and packed.shape[1] == triton.cdiv(k, 8) and _groups_fit(k, group_size)
     assert scale.shape == (n_out, k // group_size) and unpack in INT4_UNPACK and _block_k_fits(block_k, unpack)
     return _launch(
-        _int4_linear_kernel, x, packed, scale, n_out, k, block_k, split_k, unpack, G=group_size, UNPACK=unpack
+        _int4_linear_kernel,
+        x,
+        packed,
+        scale,
+        n_out,
+        k,
+        block_k,
+        split_k,
+        unpack,
+        G=group_size,
+        UNPACK=_kernel_unpack(unpack, x),
     )
 
 
 def _dot_block_k(dtype: torch.dtype, unpack: str) -> int:
     """128; 32 for one dot over fp32 activations (an ieee fp32 dot is FMAs: at 128 it spilled thousands of
     bytes and, at 128 rows, took more shared memory than an SM has)."""
-    return 32 if dtype == torch.float32 and unpack != "planes" else 128
+    return 32 if dtype == torch.float32 and unpack in ("gather", "expand") else 128
 
 
 def _block_k_fits(block_k: int, unpack: str) -> bool:
     """Planes need 16+ k each (a dot's inner size); one dot over the tile, a power of two from 16."""
-    return block_k % 128 == 0 if unpack == "planes" else block_k >= 16 and block_k & (block_k - 1) == 0
+    return block_k % 128 == 0 if unpack in ("planes", "packed") else block_k >= 16 and block_k & (block_k - 1) == 0
 
 
 def fp8_block_linear(
@@ -498,7 +573,7 @@ def grouped_gemm_int4(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        UNPACK=unpack,
+        UNPACK=_kernel_unpack(unpack, a),
     )
     return out
 
