@@ -27,8 +27,9 @@
 #            batch 1/8/32 against the active-expert HBM bound) and whole rounds with the budget
 #            recommendation, on Qwen3-30B-A3B and a 3-layer cut of Kimi K2.6 (random bf16 weights)
 # quant      (not in the default set) quantized weights: the W4A16 and FP8 block GEMMs at decode and verify
-#            widths against the HBM bound (Kimi K2.6 expert, DeepSeek-V3 attention/MLP shapes), and the
-#            moe part's measurements on the 3-layer Kimi K2.6 cut with its experts INT4 as published
+#            widths against the HBM bound (Kimi K2.6 expert, DeepSeek-V3 attention/MLP shapes), the grouped
+#            INT4 expert GEMM's tile sweep (int4-experts-sweep.jsonl), and the moe part's measurements on
+#            the 3-layer Kimi K2.6 cut with its experts INT4 as published
 # load       (not in the default set) loading a Qwen3-8B-shaped bf16 checkpoint (16 GB, 4 GB shards, written
 #            first under OUT_DIR/load-checkpoint): seconds, GB/s and host memory growth, whole and per rank
 #            of 2 (each rank reads its slices only; the page cache is dropped first where the host allows)
@@ -131,6 +132,9 @@ for part in "${PARTS[@]}"; do
       $PY -c 'import json, sys
 from ddtree.runtime.bench import quant_gemm_micro
 json.dump(quant_gemm_micro(), open(sys.argv[1], "w"), indent=1)' "$OUT_DIR/quant-gemm.json"
+      log "quant: the grouped INT4 expert GEMM's tiles at Kimi K2.6's sizes"
+      $PY -c 'from ddtree.runtime.bench import int4_experts_sweep
+int4_experts_sweep()' > "$OUT_DIR/int4-experts-sweep.jsonl"
       log "quant: the 3-layer Kimi K2.6 cut with INT4 experts, the verify tax and rounds"
       ddtree bench --model random:kimi-k2.6-int4-3layers --drafter random:1 --micro --kernels triton \
         --methods ar,dflash,ddtree --budgets 8,32 --batch-sizes 1,8 --graphs on --rounds 8 \

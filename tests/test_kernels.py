@@ -715,6 +715,24 @@ def test_attention_sweeps_check_each_configuration(monkeypatch):
 
 
 @interp
+def test_int4_experts_sweep_checks_each_configuration(monkeypatch):
+    """bench.int4_experts_sweep (a GPU tool) on CPU at a tiny MoE, its timer and bandwidth stubbed: every
+    tile configuration of both GEMMs runs and is checked against the default's output."""
+    from ddtree.runtime import bench
+
+    monkeypatch.setattr(bench, "_device_ms", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e9)
+    sweep = dict(block_ns=(16, 32), warps=(4,), stages=(2,), experts=4, hidden=64, inter=32, top_k=2)
+    rows = bench.int4_experts_sweep("cpu", tokens=(3,), **sweep)
+    assert [(r["gemm"], [c["block_n"] for c in r["configs"]]) for r in rows] == [
+        ("gate_up", [16, 32]),
+        ("down", [16, 32]),
+    ]
+    experts = rows[0]["experts_reached"]
+    assert 2 <= experts <= 4 and rows[0]["bound_ms"] == round(experts * (2 * 32 * 8 * 4 + 2 * 32 * 2 * 2) / 1e6, 4)
+
+
+@interp
 def test_mask_bounds():
     check_mask_bounds("cpu")
 

@@ -562,6 +562,78 @@ def latent_sweep(
 
 
 @torch.inference_mode()
+def int4_experts_sweep(
+    device="cuda",
+    tokens: tuple[int, ...] = (1, 9, 33, 264),
+    block_ns: tuple[int, ...] = (32, 64, 128),
+    warps: tuple[int, ...] = (4, 8),
+    stages: tuple[int, ...] = (2, 3, 4),
+    experts: int = 384,
+    hidden: int = 7168,
+    inter: int = 2048,
+    top_k: int = 8,
+) -> list[dict]:
+    """quant_kernels.grouped_gemm_int4's tile knobs (block_n, num_warps, num_stages) swept over one Kimi
+    K2.6 MoE layer's experts (INT4 group 32, top 8 of 384 under uniform random routing, bf16) at `tokens`
+    tokens, gate/up (with its SiLU product) and down apart: per width and GEMM, the default's time, every
+    configuration's, and the bound of reading the chosen experts' weights and scales once."""
+    from .moe_kernels import align_pairs
+    from .quant_kernels import grouped_gemm_int4
+
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def packed(rows: int, cols: int) -> tuple[Tensor, Tensor]:
+        shape = (experts, rows, cols // 8)
+        words = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, device=device, dtype=torch.int32)
+        scale = (torch.rand(experts, rows, cols // 32, generator=g, device=device) * 0.01).to(torch.bfloat16)
+        return words, scale
+
+    gemms = {"gate_up": (*packed(2 * inter, hidden), hidden, True), "down": (*packed(hidden, inter), inter, False)}
+    seconds_per_byte = 1 / copy_bandwidth(device)
+    out = []
+    for count in tokens:
+        ids = torch.rand(count, experts, generator=g, device=device).topk(top_k, dim=-1).indices.int()
+        rows, block_expert = align_pairs(ids, experts, block_m=16)
+        reached = ids.unique().numel()
+        for name, (words, scale, width, silu_mul) in gemms.items():
+            a = torch.randn(count if silu_mul else count * top_k, width, generator=g, device=device).to(torch.bfloat16)
+            default = partial(
+                grouped_gemm_int4,
+                a,
+                words,
+                scale,
+                32,
+                rows,
+                block_expert,
+                count * top_k,
+                top_k if silu_mul else 1,
+                silu_mul,
+            )
+            reference = default()
+            knob_sets = [
+                dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                for block_n, num_warps, num_stages in itertools.product(block_ns, warps, stages)
+            ]
+            configs = _timed_configs(default, knob_sets, reference)
+            best = min(configs, key=lambda c: c["ms"])
+            expert_bytes = (words.nbytes + scale.nbytes) / experts
+            out.append(
+                {
+                    "tokens": count,
+                    "gemm": name,
+                    "experts_reached": reached,
+                    "bound_ms": round(reached * expert_bytes * seconds_per_byte * 1000, 4),
+                    "default_ms": round(_device_ms(default), 4),
+                    "best_ms": best["ms"],
+                    "best": {k: v for k, v in best.items() if k != "ms"},
+                    "configs": configs,
+                }
+            )
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+@torch.inference_mode()
 def skinny_sweep(device="cuda", hidden: int = 4096, inter: int = 12288) -> list[dict]:
     """kernels.skinny_linear's gate/up configurations (block_n, block_k, warps, stages) swept at the Qwen3-8B
     MLP (and its drafter's) for the row counts of a verify at batch 1 (9 and 33 rows) and a draft block

@@ -534,11 +534,14 @@ def grouped_gemm_int4(
     block_n: int | None = None,
     block_k: int | None = None,
     unpack: str = GROUPED_UNPACK,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> Tensor:
     """moe_kernels.grouped_gemm for INT4 experts: packed [E, N, ceil(K / 8)] (int32), scale [E, N, K / G], or
     [E, 2 N, ...] with silu_mul (gate rows, then up rows). `block_m` must be align_pairs'. unpack: one of
     INT4_UNPACK. block_n None: 64, or 32 for "gather" with silu_mul (its two [128, 64] pointer tiles of
-    gathered words and scales spilled on sm_90). block_k None: _dot_block_k."""
+    gathered words and scales spilled on sm_90). block_k None: _dot_block_k. num_warps, num_stages:
+    tuning knobs (bench.int4_experts_sweep)."""
     experts, n_rows, words = packed.shape
     n = n_rows // 2 if silu_mul else n_rows
     k = a.shape[-1]
@@ -574,6 +577,8 @@ def grouped_gemm_int4(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         UNPACK=_kernel_unpack(unpack, a),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
