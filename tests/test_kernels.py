@@ -724,9 +724,10 @@ def test_int4_experts_sweep_checks_each_configuration(monkeypatch):
     monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e9)
     sweep = dict(block_ns=(16, 32), warps=(4,), stages=(2,), experts=4, hidden=64, inter=32, top_k=2)
     rows = bench.int4_experts_sweep("cpu", tokens=(3,), **sweep)
-    assert [(r["gemm"], [c["block_n"] for c in r["configs"]]) for r in rows] == [
-        ("gate_up", [16, 32]),
-        ("down", [16, 32]),
+    knobs = [(16, False), (16, True), (32, False), (32, True)]
+    assert [(r["gemm"], [(c["block_n"], c["split_columns"]) for c in r["configs"]]) for r in rows] == [
+        ("gate_up", knobs),
+        ("down", knobs),
     ]
     experts = rows[0]["experts_reached"]
     assert 2 <= experts <= 4 and rows[0]["bound_ms"] == round(experts * (2 * 32 * 8 * 4 + 2 * 32 * 2 * 2) / 1e6, 4)

@@ -133,18 +133,19 @@ def test_the_packed_grouped_kernel_compiles_for_sm_90_without_int_to_float_conve
     ints = dict(q_ptr="*i32", rows_ptr="*i32", block_expert_ptr="*i32", N="i32")
     sig = {n: ints.get(n, "*bf16" if n.endswith("_ptr") else "i64") for n in _grouped_int4_kernel.arg_names}
     conversions = {}
-    for unpack in ("planes", "packed"):
+    for unpack, split in (("planes", False), ("packed", False), ("packed", True)):
         consts = dict(K=7168, G=32, A_DIV=8, SILU_MUL=True, FP32_DOT=False, PRECISION="tf32")
-        consts |= dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UNPACK=unpack)
+        consts |= dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UNPACK=unpack, SPLIT_COLUMNS=split)
         src = ASTSource(_grouped_int4_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
-        cubin = tmp_path / f"{unpack}.cubin"
+        cubin = tmp_path / f"{unpack}-{split}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         sass = subprocess.run(
             [str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
         )
-        conversions[unpack] = sass.stdout.count("I2F")
-    assert conversions["packed"] == 0 and conversions["planes"] >= 128, conversions
+        conversions[unpack, split] = sass.stdout.count("I2F")
+    assert conversions["planes", False] >= 128, conversions
+    assert conversions["packed", False] == conversions["packed", True] == 0, conversions
 
 
 INT4_CASES = [  # (N, K, group): groups narrower than a K tile and a partial one, whole tiles, per channel

@@ -568,12 +568,13 @@ def int4_experts_sweep(
     block_ns: tuple[int, ...] = (32, 64, 128),
     warps: tuple[int, ...] = (4, 8),
     stages: tuple[int, ...] = (2, 3, 4),
+    split_columns: tuple[bool, ...] = (False, True),
     experts: int = 384,
     hidden: int = 7168,
     inter: int = 2048,
     top_k: int = 8,
 ) -> list[dict]:
-    """quant_kernels.grouped_gemm_int4's tile knobs (block_n, num_warps, num_stages) swept over one Kimi
+    """quant_kernels.grouped_gemm_int4's tile knobs (block_n, num_warps, num_stages, split_columns) swept over one Kimi
     K2.6 MoE layer's experts (INT4 group 32, top 8 of 384 under uniform random routing, bf16) at `tokens`
     tokens, gate/up (with its SiLU product) and down apart: per width and GEMM, the default's time, every
     configuration's, and the bound of reading the chosen experts' weights and scales once."""
@@ -611,8 +612,8 @@ def int4_experts_sweep(
             )
             reference = default()
             knob_sets = [
-                dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-                for block_n, num_warps, num_stages in itertools.product(block_ns, warps, stages)
+                dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_columns=split)
+                for block_n, num_warps, num_stages, split in itertools.product(block_ns, warps, stages, split_columns)
             ]
             configs = _timed_configs(default, knob_sets, reference)
             best = min(configs, key=lambda c: c["ms"])

@@ -86,6 +86,20 @@ if triton is not None:
         )
 
     @triton.jit
+    def _column_planes(tile, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The eight stride-8 column planes of a [BLOCK_M, BLOCK_K] tile (plane j: columns 8 i + j), split
+        in registers from one contiguous load."""
+        t = tl.reshape(tile, (BLOCK_M, BLOCK_K // 8, 2, 2, 2))  # (row, i, j // 4, j // 2 % 2, j % 2)
+        e, o = tl.split(t)
+        ee, eo = tl.split(e)
+        oe, oo = tl.split(o)
+        p0, p4 = tl.split(ee)
+        p2, p6 = tl.split(eo)
+        p1, p5 = tl.split(oe)
+        p3, p7 = tl.split(oo)
+        return p0, p1, p2, p3, p4, p5, p6, p7
+
+    @triton.jit
     def _int4_tile(
         q_rows, s_rows, k0, K, n_ok, G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, UNPACK: tl.constexpr
     ):
@@ -275,6 +289,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         UNPACK: tl.constexpr,
+        SPLIT_COLUMNS: tl.constexpr,  # planes: the activations' column planes split from one load of the tile
     ):
         # moe_kernels._grouped_gemm_kernel with the expert's weight dequantised from packed INT4
         block = tl.program_id(0)
@@ -305,9 +320,16 @@ if triton is not None:
                     planes = _packed_planes(words, scale.to(a_ptr.dtype.element_ty))
                     if SILU_MUL:
                         planes_up = _packed_planes(words_up, scale_up.to(a_ptr.dtype.element_ty))
+                if SPLIT_COLUMNS:
+                    kt = k0 + tl.arange(0, BLOCK_K)
+                    a_tile = tl.load(a_rows + kt[None, :], mask=valid[:, None] & (kt < K)[None, :], other=0.0)
+                    a_planes = _column_planes(a_tile, BLOCK_M, BLOCK_K)
                 for j in tl.static_range(8):
                     kk = word * 8 + j
-                    a = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0.0)
+                    if SPLIT_COLUMNS:
+                        a = a_planes[j]
+                    else:
+                        a = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0.0)
                     if UNPACK == "packed":
                         w = planes[j]
                     else:
@@ -536,12 +558,14 @@ def grouped_gemm_int4(
     unpack: str = GROUPED_UNPACK,
     num_warps: int = 4,
     num_stages: int = 3,
+    split_columns: bool = False,
 ) -> Tensor:
     """moe_kernels.grouped_gemm for INT4 experts: packed [E, N, ceil(K / 8)] (int32), scale [E, N, K / G], or
     [E, 2 N, ...] with silu_mul (gate rows, then up rows). `block_m` must be align_pairs'. unpack: one of
     INT4_UNPACK. block_n None: 64, or 32 for "gather" with silu_mul (its two [128, 64] pointer tiles of
-    gathered words and scales spilled on sm_90). block_k None: _dot_block_k. num_warps, num_stages:
-    tuning knobs (bench.int4_experts_sweep)."""
+    gathered words and scales spilled on sm_90). block_k None: _dot_block_k. num_warps, num_stages and
+    split_columns (planes: load the activations' [block_m, block_k] tile once and split its eight stride-8
+    column planes in registers, instead of eight strided loads) are tuning knobs (bench.int4_experts_sweep)."""
     experts, n_rows, words = packed.shape
     n = n_rows // 2 if silu_mul else n_rows
     k = a.shape[-1]
@@ -577,6 +601,7 @@ def grouped_gemm_int4(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         UNPACK=_kernel_unpack(unpack, a),
+        SPLIT_COLUMNS=split_columns,
         num_warps=num_warps,
         num_stages=num_stages,
     )
