@@ -712,6 +712,31 @@ def test_attention_sweeps_check_each_configuration(monkeypatch):
     (row,) = bench.attention_sweep("cpu", **sweep)
     assert [(c["chunk"], c["block_n"]) for c in row["configs"]] == [(64, 32), (64, 64), (128, 32), (128, 64)]
     assert row["default_ms"] == 0.5 and {c["ms"] for c in row["configs"]} == {0.5}  # a layer's share
+    (row,) = bench.attention_sweep("cpu", **{**sweep, "round_like": True, "shapes": [(2, 5, 40, 96)]})
+    assert row["round_like"] and len(row["configs"]) == 4
+
+
+def test_the_round_like_attention_inputs_are_a_tree_and_a_page_permutation():
+    """attention_sweep(round_like=True)'s inputs: each query token sees the context, itself and a chain of
+    ancestors back to the root (each row of the tree part a parent's row plus itself), and the paged slot
+    map is a permutation of the pool's slots that keeps 16-slot pages whole and the trash slot in place."""
+    from ddtree.models.layers import identity_slot_map
+    from ddtree.runtime import bench
+
+    g = torch.Generator().manual_seed(0)
+    batch, T, context, span = 3, 9, 20, 64
+    mask = bench._tree_mask(bench._verify_mask(batch, T, context, span, "cpu"), context, g)
+    tree = mask[0, 0, :, context : context + T]
+    assert mask[:, 0, :, :context].all() and not mask[:, 0, :, context + T :].any()
+    assert tree[0].tolist() == [True] + [False] * (T - 1)
+    for i in range(1, T):
+        parents = [p for p in range(i) if (tree[i] & ~tree[p]).sum() == 1 and tree[i, i] and (tree[p] <= tree[i]).all()]
+        assert parents and tree[i, i + 1 :].sum() == 0, i
+    table = bench._shuffled_pages(identity_slot_map(batch, span), span, g)
+    slots = table[:, :span]
+    assert sorted(slots.flatten().tolist()) == list(range(batch * span)) and (table[:, span] == batch * span).all()
+    assert (slots.view(batch, -1, 16) - slots.view(batch, -1, 16)[..., :1] == torch.arange(16)).all()
+    assert not torch.equal(slots, identity_slot_map(batch, span)[:, :span])
 
 
 @interp

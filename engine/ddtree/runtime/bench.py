@@ -380,6 +380,7 @@ def attention_sweep(
     stages: tuple[int, ...] = (2, 3),
     block_ns: tuple[int, ...] = (64,),
     layers: int = 8,
+    round_like: bool = False,
 ) -> list[dict]:
     """kernels.attention's tuning knobs (chunk: key slots per program, 64 to one chunk for the whole span
     unless `chunks` names them; max_rows; num_warps; num_stages; block_n: keys per step, where the
@@ -387,8 +388,10 @@ def attention_sweep(
     over `shapes` (batch, query tokens, cached tokens, span of the graph bucket; default: decode, draft
     and verify widths at batch 1 to 64): per shape, the default's time and every configuration's, in ms
     a layer. Each timing runs one attention over each of `layers` caches in turn, as a forward does: one
-    cache replayed alone (layers=1) stays partly in L2 (a batch-16 cache of 1200 slots is 79 MB), which
-    favoured a configuration that was slower in whole rounds."""
+    cache replayed alone (layers=1) stays partly in L2 (a batch-16 cache of 1200 slots is 79 MB).
+    round_like: the query tokens form a random tree (each sees its ancestors) instead of a chain, the cache
+    is paged (16-slot pages in a random order across the pool) instead of one block per row, and q is a
+    view of a [batch, tokens, heads, 128] tensor, as in a round's verify."""
     from ..models.layers import identity_slot_map
     from . import kernels
 
@@ -404,7 +407,10 @@ def attention_sweep(
     out = []
     for batch, T, context, span in shapes:
         g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(batch, heads, T, hd, device=device, dtype=torch.bfloat16, generator=g)
+        if round_like:  # the layout of the attention's input in a forward: [bs, T, heads, hd] transposed
+            q = torch.randn(batch, T, heads, hd, device=device, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        else:
+            q = torch.randn(batch, heads, T, hd, device=device, dtype=torch.bfloat16, generator=g)
         caches = [
             [
                 torch.randn(kv_heads, batch * span + 1, hd, device=device, dtype=torch.bfloat16, generator=g)
@@ -414,6 +420,8 @@ def attention_sweep(
         ]
         slot_map = identity_slot_map(batch, span, device)
         mask = _verify_mask(batch, T, context, span, device)
+        if round_like:
+            slot_map, mask = _shuffled_pages(slot_map, span, g), _tree_mask(mask, context, g)
         bounds = kernels.mask_bounds(mask)
 
         default = partial(_attention_over_layers, q, caches, slot_map, mask, bounds)
@@ -438,6 +446,7 @@ def attention_sweep(
                 "context": context,
                 "span": span,
                 "layers": layers,
+                "round_like": round_like,
                 "default_ms": round(default_ms, 4),
                 "best_ms": best["ms"],
                 "best": {k: v for k, v in best.items() if k != "ms"},
@@ -461,6 +470,31 @@ def _verify_mask(batch: int, T: int, context: int, span: int, device) -> Tensor:
     t = torch.arange(T, device=device)
     mask = (j[None, :] < context) | ((j[None, :] >= context) & (j[None, :] - context <= t[:, None]))
     return mask.view(1, 1, T, span).expand(batch, 1, T, span).contiguous()
+
+
+def _tree_mask(chain: Tensor, context: int, g: torch.Generator) -> Tensor:
+    """_verify_mask's mask with its T query tokens made a random tree: token i > 0 has a parent drawn from
+    0..i-1 and sees its ancestors and itself; every row the same tree."""
+    T = chain.shape[2]
+    sees = torch.eye(T, dtype=torch.bool, device=chain.device)
+    for i in range(1, T):
+        parent = int(torch.randint(0, i, (1,), generator=g, device=g.device))
+        sees[i] |= sees[parent]
+    mask = chain.clone()
+    mask[:, 0, :, context : context + T] = sees
+    return mask
+
+
+def _shuffled_pages(slot_map: Tensor, span: int, g: torch.Generator, page: int = 16) -> Tensor:
+    """identity_slot_map's table with its `page`-slot pages in a random order across the pool (the trash
+    slot kept), as a paged cache's pages are after sequences grow in turn."""
+    rows = slot_map.shape[0]
+    pages = rows * span // page
+    order = torch.randperm(pages, generator=g, device=g.device).to(slot_map.device, torch.int32)
+    table = slot_map.clone()
+    slots = table[:, :span]
+    table[:, :span] = order[slots // page] * page + slots % page
+    return table
 
 
 def _doubling(first: int, span: int) -> list[int]:
