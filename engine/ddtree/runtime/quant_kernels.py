@@ -397,8 +397,9 @@ LINEAR_UNPACK, GROUPED_UNPACK = "expand", "packed"
 
 
 def _kernel_unpack(unpack: str, x: Tensor) -> str:
-    """The kernels' UNPACK for `unpack`: "packed" needs 16-bit activations and compiled PTX."""
-    packs = x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+    """The kernels' UNPACK for `unpack`: "packed" needs 16-bit activations and compiled PTX (an NVIDIA GPU;
+    ROCm's "cuda" devices run "planes")."""
+    packs = x.device.type == "cuda" and torch.version.hip is None and x.dtype in (torch.bfloat16, torch.float16)
     return "planes" if unpack == "packed" and not packs else unpack
 
 
