@@ -288,16 +288,26 @@ def _quant_gemm_rows(kind: str, n: int, k: int, bw: float, device, unpack: str |
     return {"kind": kind, "n": n, "k": k, "weight_bytes": stored, "by_rows": rows}
 
 
+def _random_int4_experts(
+    experts: int, rows: int, cols: int, device, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """Random INT4 experts (group 32) in the checkpoints' layout: packed words [experts, rows, cols / 8] and
+    bf16 scales [experts, rows, cols / 32]."""
+    shape = (experts, rows, cols // 8)
+    words = torch.randint(-(2**31), 2**31 - 1, shape, generator=generator, device=device, dtype=torch.int32)
+    scale = torch.rand(experts, rows, cols // 32, generator=generator, device=device) * 0.01
+    return words, scale.to(torch.bfloat16)
+
+
 def _kimi_moe_layer(bw: float, device, experts: int = 384, hidden: int = 7168, inter: int = 2048) -> dict:
     """One Kimi K2.6 MoE layer's routed experts (INT4 group 32, top 8 of 384) through moe_experts_int4, for
     1 / 9 / 33 tokens and 8 x 33, against the bound of reading the chosen experts once."""
     from .quant_kernels import INT4_UNPACK, moe_experts_int4
 
-    def packed(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        words = torch.randint(-(2**31), 2**31 - 1, (experts, rows, cols // 8), dtype=torch.int32, device=device)
-        return words, torch.full((experts, rows, cols // 32), 0.004, dtype=torch.bfloat16, device=device)
-
-    gate_up, down = packed(2 * inter, hidden), packed(hidden, inter)
+    gate_up, down = (
+        _random_int4_experts(experts, 2 * inter, hidden, device),
+        _random_int4_experts(experts, hidden, inter, device),
+    )
     per_expert = sum(t[0].nbytes for t in (*gate_up, *down))
     out: dict[str, Any] = {}
     for tokens in (1, 9, 33, 264):
@@ -616,14 +626,10 @@ def int4_experts_sweep(
     from .quant_kernels import grouped_gemm_int4
 
     g = torch.Generator(device=device).manual_seed(0)
-
-    def packed(rows: int, cols: int) -> tuple[Tensor, Tensor]:
-        shape = (experts, rows, cols // 8)
-        words = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, device=device, dtype=torch.int32)
-        scale = (torch.rand(experts, rows, cols // 32, generator=g, device=device) * 0.01).to(torch.bfloat16)
-        return words, scale
-
-    gemms = {"gate_up": (*packed(2 * inter, hidden), hidden, True), "down": (*packed(hidden, inter), inter, False)}
+    gemms = {
+        "gate_up": (*_random_int4_experts(experts, 2 * inter, hidden, device, g), hidden, True),
+        "down": (*_random_int4_experts(experts, hidden, inter, device, g), inter, False),
+    }
     seconds_per_byte = 1 / copy_bandwidth(device)
     out = []
     for count in tokens:

@@ -394,6 +394,7 @@ quantized weights"): "expand" for int4_linear (2.6x faster than "planes" at 33 r
 shapes on an H200; "packed" there: not measured), "packed" for the grouped expert GEMM (1.2-1.3x faster
 than "planes" on an H100, which is 1.3-1.4x faster than "expand"); "gather" was slowest in both."""
 LINEAR_UNPACK, GROUPED_UNPACK = "expand", "packed"
+PLANE_UNPACKS = ("planes", "packed")  # eight dots of inner size BLOCK_K / 8; the others, one over the tile
 
 
 def _kernel_unpack(unpack: str, x: Tensor) -> str:
@@ -410,7 +411,7 @@ def _tiles(rows: int, unpack: str = "planes") -> tuple[int, int, int, int]:
     one-dot unpackings, whose dequantisation is shared by twice the rows)."""
     if rows == 1:
         return 1, 32, 4, 3
-    if rows > 64 and unpack in ("gather", "expand"):
+    if rows > 64 and unpack not in PLANE_UNPACKS:
         return 128, 64, 4, 3
     return (16 if rows <= 16 else 32 if rows <= 32 else 64), 64, 4, 3
 
@@ -516,12 +517,12 @@ def int4_linear(
 def _dot_block_k(dtype: torch.dtype, unpack: str) -> int:
     """128; 32 for one dot over fp32 activations (an ieee fp32 dot is FMAs: at 128 it spilled thousands of
     bytes and, at 128 rows, took more shared memory than an SM has)."""
-    return 32 if dtype == torch.float32 and unpack in ("gather", "expand") else 128
+    return 32 if dtype == torch.float32 and unpack not in PLANE_UNPACKS else 128
 
 
 def _block_k_fits(block_k: int, unpack: str) -> bool:
     """Planes need 16+ k each (a dot's inner size); one dot over the tile, a power of two from 16."""
-    return block_k % 128 == 0 if unpack in ("planes", "packed") else block_k >= 16 and block_k & (block_k - 1) == 0
+    return block_k % 128 == 0 if unpack in PLANE_UNPACKS else block_k >= 16 and block_k & (block_k - 1) == 0
 
 
 def fp8_block_linear(
