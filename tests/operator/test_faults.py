@@ -6,6 +6,7 @@ it has to live through every fault; its log is checked for crashes at the end.""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import re
 import selectors
@@ -208,14 +209,13 @@ def test_engine_pods_deleted_during_rollout(cluster, operator, namespace):
     )
     old_hashes = {p.metadata.labels["pod-template-hash"] for p in cluster.engine_pods(namespace, "roll")}
     apply(cluster, namespace, document("roll", spec(budget=16, replicas=3)))
-    wait_for(
-        lambda: {p.metadata.labels["pod-template-hash"] for p in cluster.engine_pods(namespace, "roll")} - old_hashes,
-        30,
-        "the rollout's first new pod",
-        interval=0.1,
-    )
-    deleted = []
-    for _ in range(5):  # old and new pods alike, while the Deployment is replacing them
+    # Sweeps start at once: the old pods are all still there (maxUnavailable is 0, so none goes before a new
+    # one is Ready), and waiting for the first new pod first lost the race against kwok, whose pods are
+    # Ready at once, on a loaded host. Sweeping every half second also holds the rollout open until new
+    # pods have been deleted too.
+    deleted: list[str] = []
+    deadline = time.monotonic() + 60
+    for sweep in itertools.count():
         for pod in live_pods(cluster, namespace, "roll"):
             try:
                 cluster.core.delete_namespaced_pod(pod.metadata.name, namespace)
@@ -223,8 +223,11 @@ def test_engine_pods_deleted_during_rollout(cluster, operator, namespace):
             except kubernetes.client.ApiException as exc:
                 if exc.status != 404:  # gone already: the ReplicaSet scaled it away meanwhile
                     raise
-        time.sleep(1)
-    assert len(deleted) >= 10 and set(deleted) & old_hashes and set(deleted) - old_hashes, deleted
+        old_and_new = set(deleted) & old_hashes and set(deleted) - old_hashes
+        if (sweep >= 4 and len(deleted) >= 10 and old_and_new) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(deleted) >= 10 and old_and_new, deleted
 
     seen = []
 
