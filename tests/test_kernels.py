@@ -749,8 +749,11 @@ def test_int4_experts_sweep_checks_each_configuration(monkeypatch):
     monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e9)
     sweep = dict(block_ns=(16, 32), warps=(4,), stages=(2,), experts=4, hidden=64, inter=32, top_k=2)
     rows = bench.int4_experts_sweep("cpu", tokens=(3,), **sweep)
-    knobs = [(16, False), (16, True), (32, False), (32, True)]
-    assert [(r["gemm"], [(c["block_n"], c["split_columns"]) for c in r["configs"]]) for r in rows] == [
+    knobs = [(n, split, frag) for n in (16, 32) for split in (False, True) for frag in (False, True)]
+    configs = [
+        (r["gemm"], [(c["block_n"], c["split_columns"], c["fragment_order"]) for c in r["configs"]]) for r in rows
+    ]
+    assert configs == [
         ("gate_up", knobs),
         ("down", knobs),
     ]

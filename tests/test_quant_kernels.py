@@ -119,10 +119,12 @@ def test_packed_dequantisation_ptx_equals_the_reference_bit_for_bit(dtype):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles, outside the interpreter")
-def test_the_packed_grouped_kernel_compiles_for_sm_90_without_int_to_float_conversions(tmp_path):
-    """Ahead of time, without a GPU: ptxas takes the "packed" grouped INT4 kernel's PTX for sm_90a (Kimi
-    K2.6's gate/up, bf16), and its SASS dequantises with no integer-to-float conversion, where "planes"
-    takes one a weight."""
+def test_the_grouped_int4_kernel_compiles_for_sm_90_without_conversions_or_shuffles(tmp_path):
+    """Ahead of time, without a GPU: ptxas takes the grouped INT4 kernel's PTX for sm_90a (Kimi K2.6's
+    gate/up, bf16, every integer argument divisible by 16 as Triton specialises them at run time there). In
+    its SASS, "packed" dequantises with no integer-to-float conversion, where "planes" takes one a weight;
+    and fragment_order moves no weight between threads before the dots (no shuffles), where the plain
+    tile order takes 64 a 128-k step."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -130,22 +132,33 @@ def test_the_packed_grouped_kernel_compiles_for_sm_90_without_int_to_float_conve
     from ddtree.runtime.quant_kernels import _grouped_int4_kernel
 
     tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    names = _grouped_int4_kernel.arg_names
     ints = dict(q_ptr="*i32", rows_ptr="*i32", block_expert_ptr="*i32", N="i32")
-    sig = {n: ints.get(n, "*bf16" if n.endswith("_ptr") else "i64") for n in _grouped_int4_kernel.arg_names}
-    conversions = {}
-    for unpack, split in (("planes", False), ("packed", False), ("packed", True)):
-        consts = dict(K=7168, G=32, A_DIV=8, SILU_MUL=True, FP32_DOT=False, PRECISION="tf32")
-        consts |= dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UNPACK=unpack, SPLIT_COLUMNS=split)
-        src = ASTSource(_grouped_int4_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+    sig = {n: ints.get(n, "*bf16" if n.endswith("_ptr") else "i64") for n in names}
+    counts = {}
+    for unpack, split, fragment in (
+        ("planes", False, False),
+        ("packed", False, False),
+        ("packed", True, False),
+        ("packed", False, True),
+        ("packed", True, True),
+    ):
+        consts = dict(K=7168, G=32, A_DIV=8, SILU_MUL=True, FP32_DOT=False, PRECISION="tf32", BLOCK_M=16)
+        consts |= dict(BLOCK_N=64, BLOCK_K=128, UNPACK=unpack, SPLIT_COLUMNS=split, FRAGMENT_ORDER=fragment)
+        divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
+        src = ASTSource(_grouped_int4_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, divisible)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
-        cubin = tmp_path / f"{unpack}-{split}.cubin"
+        cubin = tmp_path / f"{unpack}-{split}-{fragment}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         sass = subprocess.run(
             [str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
-        )
-        conversions[unpack, split] = sass.stdout.count("I2F")
-    assert conversions["planes", False] >= 128, conversions
-    assert conversions["packed", False] == conversions["packed", True] == 0, conversions
+        ).stdout
+        counts[unpack, split, fragment] = sass.count("I2F"), sass.count("SHFL")
+    conversions = {case: c for case, (c, _) in counts.items()}
+    shuffles = {case: s for case, (_, s) in counts.items()}
+    assert conversions.pop(("planes", False, False)) >= 128 and set(conversions.values()) == {0}, counts
+    assert shuffles["packed", False, False] >= 64 and shuffles["packed", True, False] >= 64, counts
+    assert shuffles["packed", False, True] == shuffles["packed", True, True] == 0, counts
 
 
 INT4_CASES = [  # (N, K, group): groups narrower than a K tile and a partial one, whole tiles, per channel
@@ -289,6 +302,39 @@ def test_moe_experts_int4(dtype, case, unpack):
     check_moe_experts_int4("cpu", dtype, *case, unpack=unpack)
 
 
+def check_grouped_int4_knobs(device, dtype, unpack):
+    """grouped_gemm_int4's plane knobs (split_columns, fragment_order) over K of several 128-wide tiles and a
+    partial one: gate/up with its SiLU product and down, each against the weight dequantised by the
+    reference through the dense grouped GEMM, and against the knobs off."""
+    from ddtree.runtime.moe_kernels import align_pairs, grouped_gemm
+    from ddtree.runtime.quant_kernels import grouped_gemm_int4
+
+    g = torch.Generator().manual_seed(7)
+    tokens, top_k, experts, group = 6, 2, 3, 32
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(device)
+    rows, block_expert = align_pairs(ids, experts, block_m=16)
+    for k, n, silu_mul in ((384, 48, True), (288, 40, False)):
+        packed, scale, dense = int4_weight(g, (experts, 2 * n if silu_mul else n, k), group, dtype)
+        a = torch.randn(tokens if silu_mul else tokens * top_k, k, generator=g).to(dtype).to(device)
+        a_div = top_k if silu_mul else 1
+        args = (a, packed.to(device), scale.to(device), group, rows, block_expert, tokens * top_k, a_div, silu_mul)
+        exact = grouped_gemm(a.float(), dense.to(device), rows, block_expert, tokens * top_k, a_div, silu_mul)
+        plain = grouped_gemm_int4(*args, unpack=unpack)
+        for split_columns, fragment_order in ((False, True), (True, False), (True, True)):
+            got = grouped_gemm_int4(*args, unpack=unpack, split_columns=split_columns, fragment_order=fragment_order)
+            case = (k, silu_mul, split_columns, fragment_order)
+            check_close(got.cpu(), exact.cpu(), dtype, case)
+            # the same products in another order inside the dot: fp32 sums apart by rounding only
+            tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(got, plain, **tolerance, msg=lambda m, case=case: f"{case}: {m}")
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_int4_plane_knobs(dtype):
+    check_grouped_int4_knobs("cpu", dtype, "planes")
+
+
 GPU_DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -326,6 +372,14 @@ def test_fp8_block_linear_compiled(dtype):
 def test_moe_experts_int4_compiled(dtype, unpack):
     for case in MOE_CASES + [(65, 8, 64, 1024, 256, 32, 0), (8, 8, 32, 7168, 2048, 32, 0)]:
         check_moe_experts_int4("cuda", dtype, *case, unpack=unpack)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("unpack", ["planes", "packed"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_grouped_int4_plane_knobs_compiled(dtype, unpack):
+    check_grouped_int4_knobs("cuda", dtype, unpack)
 
 
 @pytest.mark.gpu

@@ -613,15 +613,17 @@ def int4_experts_sweep(
     warps: tuple[int, ...] = (4, 8),
     stages: tuple[int, ...] = (2, 3, 4),
     split_columns: tuple[bool, ...] = (False, True),
+    fragment_order: tuple[bool, ...] = (False, True),
     experts: int = 384,
     hidden: int = 7168,
     inter: int = 2048,
     top_k: int = 8,
 ) -> list[dict]:
-    """quant_kernels.grouped_gemm_int4's tile knobs (block_n, num_warps, num_stages, split_columns) swept over one Kimi
-    K2.6 MoE layer's experts (INT4 group 32, top 8 of 384 under uniform random routing, bf16) at `tokens`
-    tokens, gate/up (with its SiLU product) and down apart: per width and GEMM, the default's time, every
-    configuration's, and the bound of reading the chosen experts' weights and scales once."""
+    """quant_kernels.grouped_gemm_int4's knobs (block_n, num_warps, num_stages, split_columns, fragment_order)
+    swept over one Kimi K2.6 MoE layer's experts (INT4 group 32, top 8 of 384 under uniform random routing,
+    bf16) at `tokens` tokens, gate/up (with its SiLU product) and down apart: per width and GEMM, the
+    default's time, every configuration's, and the bound of reading the chosen experts' weights and scales
+    once. The full grid is 576 timings (about 10 minutes on an H100, most of it compiling)."""
     from .moe_kernels import align_pairs
     from .quant_kernels import grouped_gemm_int4
 
@@ -652,8 +654,8 @@ def int4_experts_sweep(
             )
             reference = default()
             knob_sets = [
-                dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_columns=split)
-                for block_n, num_warps, num_stages, split in itertools.product(block_ns, warps, stages, split_columns)
+                dict(block_n=bn, num_warps=w, num_stages=st, split_columns=split, fragment_order=frag)
+                for bn, w, st, split, frag in itertools.product(block_ns, warps, stages, split_columns, fragment_order)
             ]
             configs = _timed_configs(default, knob_sets, reference)
             best = min(configs, key=lambda c: c["ms"])

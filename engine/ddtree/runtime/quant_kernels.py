@@ -86,6 +86,28 @@ if triton is not None:
         )
 
     @triton.jit
+    def _fragment_rows(W: tl.constexpr):
+        """The words of a [W, ...] tile in _fragment_order's order: row r holds word 16 c + 4 a + 2 h + b for
+        r = 16 c + 8 h + 2 a + b."""
+        r = tl.arange(0, W)
+        return r // 16 * 16 + (r // 2) % 4 * 4 + (r // 8) % 2 * 2 + r % 2
+
+    @triton.jit
+    def _fragment_order(tile, W: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A [W, BLOCK_N] tile of words (or their scales or planes) with its rows in the order of an m16n8k16
+        MMA's B fragment (thread t of a quad holds k 2 t, 2 t + 1, 2 t + 8, 2 t + 9): the rows a thread
+        loaded as four consecutive words (16 bytes) become the rows its fragment needs, so the dot takes them
+        without shuffles. Only the dot's inner index is relabelled; the activations follow (_fragment_rows)."""
+        t = tl.reshape(tile, (W // 16, 4, 2, 2, BLOCK_N))  # word 16 c + 4 a + 2 h + b
+        return tl.reshape(tl.permute(t, (0, 2, 1, 3, 4)), (W, BLOCK_N))
+
+    @triton.jit
+    def _fragment_columns(tile, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """An activation tile [BLOCK_M, BLOCK_K] (column 8 i + j) with its words i in _fragment_order's order."""
+        t = tl.reshape(tile, (BLOCK_M, BLOCK_K // 128, 4, 2, 2, 8))
+        return tl.reshape(tl.permute(t, (0, 1, 3, 2, 4, 5)), (BLOCK_M, BLOCK_K))
+
+    @triton.jit
     def _column_planes(tile, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         """The eight stride-8 column planes of a [BLOCK_M, BLOCK_K] tile (plane j: columns 8 i + j), split
         in registers from one contiguous load."""
@@ -290,6 +312,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         UNPACK: tl.constexpr,
         SPLIT_COLUMNS: tl.constexpr,  # planes: the activations' column planes split from one load of the tile
+        FRAGMENT_ORDER: tl.constexpr,  # planes: the tile's words in the MMA fragment's order (_fragment_order)
     ):
         # moe_kernels._grouped_gemm_kernel with the expert's weight dequantised from packed INT4
         block = tl.program_id(0)
@@ -316,6 +339,13 @@ if triton is not None:
                 if SILU_MUL:  # the up rows follow the N gate rows
                     words_up = tl.load(q_rows + N * q_stride_n + word[:, None], mask=tile_ok, other=0)
                     scale_up = tl.load(s_rows + N * s_stride_n + (word * 8 // G)[:, None], mask=tile_ok, other=0.0)
+                if FRAGMENT_ORDER:
+                    words = _fragment_order(words, BLOCK_K // 8, BLOCK_N)
+                    scale = _fragment_order(scale, BLOCK_K // 8, BLOCK_N)
+                    if SILU_MUL:
+                        words_up = _fragment_order(words_up, BLOCK_K // 8, BLOCK_N)
+                        scale_up = _fragment_order(scale_up, BLOCK_K // 8, BLOCK_N)
+                    word = k0 // 8 + _fragment_rows(BLOCK_K // 8)
                 if UNPACK == "packed":
                     planes = _packed_planes(words, scale.to(a_ptr.dtype.element_ty))
                     if SILU_MUL:
@@ -323,6 +353,8 @@ if triton is not None:
                 if SPLIT_COLUMNS:
                     kt = k0 + tl.arange(0, BLOCK_K)
                     a_tile = tl.load(a_rows + kt[None, :], mask=valid[:, None] & (kt < K)[None, :], other=0.0)
+                    if FRAGMENT_ORDER:
+                        a_tile = _fragment_columns(a_tile, BLOCK_M, BLOCK_K)
                     a_planes = _column_planes(a_tile, BLOCK_M, BLOCK_K)
                 for j in tl.static_range(8):
                     kk = word * 8 + j
@@ -561,13 +593,16 @@ def grouped_gemm_int4(
     num_warps: int = 4,
     num_stages: int = 3,
     split_columns: bool = False,
+    fragment_order: bool = False,
 ) -> Tensor:
     """moe_kernels.grouped_gemm for INT4 experts: packed [E, N, ceil(K / 8)] (int32), scale [E, N, K / G], or
     [E, 2 N, ...] with silu_mul (gate rows, then up rows). `block_m` must be align_pairs'. unpack: one of
     INT4_UNPACK. block_n None: 64, or 32 for "gather" with silu_mul (its two [128, 64] pointer tiles of
     gathered words and scales spilled on sm_90). block_k None: _dot_block_k. num_warps, num_stages and
     split_columns (planes: load the activations' [block_m, block_k] tile once and split its eight stride-8
-    column planes in registers, instead of eight strided loads) are tuning knobs (bench.int4_experts_sweep)."""
+    column planes in registers, instead of eight strided loads) and fragment_order (planes: relabel the
+    dots' inner index so that the words a thread loads are those its MMA fragment holds, _fragment_order)
+    are tuning knobs (bench.int4_experts_sweep)."""
     experts, n_rows, words = packed.shape
     n = n_rows // 2 if silu_mul else n_rows
     k = a.shape[-1]
@@ -604,6 +639,7 @@ def grouped_gemm_int4(
         BLOCK_K=block_k,
         UNPACK=_kernel_unpack(unpack, a),
         SPLIT_COLUMNS=split_columns,
+        FRAGMENT_ORDER=fragment_order,
         num_warps=num_warps,
         num_stages=num_stages,
     )
