@@ -389,7 +389,7 @@ def check_triton_backend(device: str, through_sdpa: bool, monkeypatch) -> None:
     TritonLatentAttention.max_tokens query tokens, SDPA over gathered latents): a prefill and a tree verify
     over rows in reverse order give the reference's logits (fp32), and greedy ddtree and dflash emit plain
     decoding's tokens; on a GPU also from CUDA graphs, which the smoke test then passes."""
-    from ddtree.runtime.fused import TritonLatentAttention, use_backend
+    from ddtree.runtime.fused import TritonGroupLimitedSigmoid, TritonLatentAttention, TritonMoE, use_backend
     from ddtree.runtime.smoke import run_smoke
 
     if through_sdpa:
@@ -414,6 +414,8 @@ def check_triton_backend(device: str, through_sdpa: bool, monkeypatch) -> None:
     expect = logits("reference")
     got = logits("triton")
     assert isinstance(target.model.layers[0].self_attn, TritonLatentAttention)
+    moe = [m for m in target.modules() if isinstance(m, TritonMoE)]
+    assert moe and all(isinstance(m.gate, TritonGroupLimitedSigmoid) for m in moe)
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
     if through_sdpa:
         return  # the rounds below attend through the kernel (up to 33 tokens)

@@ -1,8 +1,9 @@
 """The grouped expert GEMMs (ddtree.runtime.moe_kernels) against a plain per-pair computation.
 
 The Triton kernels run on CPU under the interpreter (marker `triton_interpreter`, their own pytest run:
-`make test-triton-interpreter`) and compiled on a GPU (`gpu`); `align_pairs` is plain PyTorch and runs
-everywhere."""
+`make test-triton-interpreter`) and compiled on a GPU (`gpu`)."""
+
+import os
 
 import pytest
 import torch
@@ -14,24 +15,118 @@ interp = pytest.mark.triton_interpreter
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
 
 
-@pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 2, 4, 16), (7, 3, 5, 4), (33, 8, 16, 16)])
-def test_align_pairs_puts_every_pair_once_in_a_block_of_its_expert(tokens, top_k, experts, block_m):
+def check_align_pairs(device, tokens, top_k, experts, block_m, first_expert):
     g = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts + 2, generator=g)[:top_k] for _ in range(tokens)])  # some not ours
-    rows, block_expert = align_pairs(ids, experts, block_m)
+    total = first_expert + experts + 2  # some ids are other ranks' experts, before and after ours
+    ids = torch.stack([torch.randperm(total, generator=g)[:top_k] for _ in range(tokens)])
+    rows, block_expert = (t.cpu() for t in align_pairs(ids.to(device), experts, block_m, first_expert))
     blocks = -(-tokens * top_k // block_m) + experts
     assert rows.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
-    flat = ids.reshape(-1)
+    assert rows.dtype == block_expert.dtype == torch.int32
+    local = ids.reshape(-1) - first_expert
     placed = rows[rows >= 0].long()
-    ours = torch.nonzero(flat < experts).flatten()
+    ours = torch.nonzero((local >= 0) & (local < experts)).flatten()
     assert sorted(placed.tolist()) == ours.tolist()  # each of our pairs exactly once, the others never
     for b in range(blocks):
         block = rows[b * block_m : (b + 1) * block_m].long()
         if block_expert[b] < 0:
             assert (block < 0).all()
         else:
-            assert (flat[block[block >= 0]] == block_expert[b]).all()
-    assert (block_expert[: int((block_expert >= 0).sum())] >= 0).all()  # the blocks in use come first
+            assert (local[block[block >= 0]] == block_expert[b]).all() and (block[0] >= 0)
+            assert (block >= 0).tolist() == sorted((block >= 0).tolist(), reverse=True)  # padding last
+    used = block_expert[block_expert >= 0]
+    # the blocks in use come first, in expert order, each expert's as few as its pairs need
+    assert (block_expert[: used.numel()] >= 0).all() and (used.diff() >= 0).all()
+    counts = torch.bincount(local[(local >= 0) & (local < experts)], minlength=experts)
+    assert torch.bincount(used.long(), minlength=experts).tolist() == (-(-counts // block_m)).tolist()
+
+
+ALIGN_CASES = [(1, 2, 4, 16, 0), (7, 3, 5, 4, 0), (33, 8, 16, 16, 0), (9, 3, 6, 4, 5), (300, 8, 24, 16, 3)]
+
+
+@interp
+@pytest.mark.parametrize("tokens, top_k, experts, block_m, first_expert", ALIGN_CASES)
+def test_align_pairs_puts_every_pair_once_in_a_block_of_its_expert(tokens, top_k, experts, block_m, first_expert):
+    check_align_pairs("cpu", tokens, top_k, experts, block_m, first_expert)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_align_pairs_compiled():
+    for case in ALIGN_CASES + [(264, 8, 384, 16, 0), (2112, 8, 384, 16, 0), (33, 8, 48, 16, 336)]:
+        check_align_pairs("cuda", *case)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles, outside the interpreter")
+def test_the_moe_bookkeeping_kernels_compile_for_sm_90():
+    """Ahead of time, without a GPU: the one-program alignment (atomics, barriers, a prefix sum), the
+    weighted combine and the router's choice compile to sm_90a cubins at Kimi K2.6's sizes (384 experts,
+    top 8, hidden 7168) and with DeepSeek-V3's groups (8, 4 kept)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddtree.runtime.moe_kernels import _align_pairs_kernel, _combine_pairs_kernel, _group_limited_topk_kernel
+
+    align = dict(ids_ptr="*i64", rows_ptr="*i32", block_expert_ptr="*i32", cursor_ptr="*i32")
+    combine = dict(down_ptr="*bf16", weights_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16")
+    router = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*bf16", ids_ptr="*i64", scaling="fp32")
+    kernels = [
+        (_align_pairs_kernel, align, dict(E=384, E_POW2=512, BLOCK_M=16, CHUNK=1024, BLOCK_CHUNK=32), 8),
+        (_combine_pairs_kernel, combine, dict(E=384, TOP_K=8, BLOCK_H=1024), 4),
+    ]
+    for groups, kept in ((1, 1), (8, 4)):
+        choice = dict(E=384, E_POW2=512, GROUPS=groups, GROUPS_POW2=groups, TOPK_GROUP=kept, TOP_K=8, K_POW2=8)
+        kernels.append((_group_limited_topk_kernel, router, choice | dict(NORMALIZE=True), 4))
+    for kernel, pointers, consts, warps in kernels:
+        sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
+        compiled = triton.compile(
+            ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)
+        )
+        assert compiled.asm["cubin"], kernel.__name__
+
+
+# (tokens, experts, top k, groups, groups kept, normalize, scaling): DeepSeek-V3-like groups, Kimi K2's one
+# group, groups of one expert
+ROUTER_CASES = [(9, 32, 4, 4, 2, True, 2.5), (5, 24, 8, 1, 1, True, 2.827), (3, 8, 2, 8, 3, False, 1.0)]
+
+
+def check_router(device, dtype, tokens, experts, top_k, n_group, topk_group, normalize, scaling, hidden=64):
+    """fused.TritonGroupLimitedSigmoid (its choice one kernel) against models.moe.GroupLimitedSigmoid."""
+    from ddtree.models.moe import GroupLimitedSigmoid
+    from ddtree.runtime.fused import TritonGroupLimitedSigmoid, swap
+
+    g = torch.Generator().manual_seed(tokens + experts)
+    router = GroupLimitedSigmoid(hidden, experts, top_k, n_group, topk_group, normalize, scaling)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, hidden, generator=g) / hidden**0.5)
+        router.e_score_correction_bias.copy_(torch.randn(experts, generator=g) * 0.1)
+    router.weight.data = router.weight.data.to(dtype)
+    router.to(device)
+    x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    want_weights, want_ids = router(x)
+    swap(router, TritonGroupLimitedSigmoid)
+    weights, ids = router(x)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype and ids.shape == weights.shape == (tokens, top_k)
+    assert torch.equal(ids, want_ids)  # random scores: no ties
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ROUTER_CASES)
+def test_the_triton_router_chooses_as_the_reference(case, dtype):
+    check_router("cpu", dtype, *case)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_router_compiled(dtype):
+    """On a GPU the bf16 logits come from cuBLAS with an fp32 output; Kimi K2.6's router shape too."""
+    for case in ROUTER_CASES:
+        check_router("cuda", dtype, *case)
+    check_router("cuda", dtype, 33, 384, 8, 1, 1, True, 2.827, hidden=7168)
 
 
 def reference(x, weights, ids, w_gate_up, w_down, first_expert, dtype):

@@ -28,14 +28,14 @@ from torch import Tensor, nn
 from ..models import deepseek_v3
 from ..models.layers import MLP, RMSNorm, concat_views
 from ..models.llama import Attention, DecoderLayer, Transformer
-from ..models.moe import SparseMoE
+from ..models.moe import GroupLimitedSigmoid, SparseMoE
 from ..models.quant import Fp8BlockLinear, Int4Linear, dequantize_fp8_block, dequantize_int4
 from ..speculative.drafter import DFlashDrafter, DrafterAttention, DrafterLayer
 from ..speculative.tree import Tree, build_ddtree
 from ..speculative.verify import Walk, walk
 from . import kernels
 from .mla_kernels import latent_attention, latent_rope_cache
-from .moe_kernels import moe_experts
+from .moe_kernels import group_limited_topk, moe_experts
 from .quant_kernels import fp8_block_linear, int4_linear, moe_experts_int4
 
 BACKENDS = ("reference", "torch", "triton")
@@ -374,11 +374,8 @@ class FusedMoE(_Swapped, SparseMoE):
     T * E >= P, so that a decode step (P <= E) runs one pair per tile, a batched GEMV over the chosen experts
     alone, and a step never gathers more than 2 E experts' weights.
 
-    What the GPU path should become: a Triton grouped GEMM over this same layout (as vLLM's fused_moe with
-    moe_align_block_size), each program reading its tile's expert weights in place from the stacked
-    tensors rather than from a gathered copy, silu(gate) * up in the gate/up epilogue and the routing weight
-    in the down epilogue. Here the gather copies the weights of up to 2 E experts per step (for a 33-token
-    verify of Qwen3-30B-A3B, 162 tiles of 4 rows); this path has not been measured on a GPU."""
+    The gather copies the weights of up to 2 E experts per step (for a 33-token verify of Qwen3-30B-A3B,
+    162 tiles of 4 rows); TritonMoE reads them in place instead."""
 
     reference = SparseMoE
     w_gate_up: Tensor | None = None  # [experts held here, 2 * inter, hidden]: gate rows, then up rows
@@ -504,6 +501,24 @@ class TritonMoE(FusedMoE):
         )
 
 
+class TritonGroupLimitedSigmoid(_Swapped, GroupLimitedSigmoid):
+    """DeepSeek-V3 / Kimi K2's router in two launches: the fp32 logits from the 16-bit activations and
+    weight (their products are exact in fp32, summed in fp32: the reference's x.float() @ weight.float().T
+    without converting the weight each call), then the group-limited top k in one kernel."""
+
+    reference = GroupLimitedSigmoid
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        else:
+            logits = F.linear(x.float(), self.weight.float())
+        bias = self.e_score_correction_bias.float()  # fp32 already, as the model keeps it
+        return group_limited_topk(
+            logits, bias, self.top_k, self.n_group, self.topk_group, self.normalize, self.scaling, x.dtype
+        )
+
+
 class TritonInt4Linear(_Swapped, Int4Linear):
     """W4A16 through the Triton GEMM of runtime/quant_kernels.py (the weight dequantized in registers)."""
 
@@ -524,6 +539,7 @@ class TritonFp8BlockLinear(_Swapped, Fp8BlockLinear):
 
 SWAPS["torch"][SparseMoE] = FusedMoE
 SWAPS["triton"][SparseMoE] = TritonMoE
+SWAPS["triton"][GroupLimitedSigmoid] = TritonGroupLimitedSigmoid
 SWAPS["triton"][Int4Linear] = TritonInt4Linear
 SWAPS["triton"][Fp8BlockLinear] = TritonFp8BlockLinear
 

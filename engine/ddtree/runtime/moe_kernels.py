@@ -1,16 +1,17 @@
 """Grouped expert GEMMs for mixture-of-experts layers: only the chosen experts' weights are read.
 
-A round's N tokens each pick k experts: N * k (token, expert) pairs. `align_pairs` sorts the pairs by
-expert into blocks of BLOCK_M rows, each block holding pairs of one expert (padding rows are -1), with
-static shapes: there are at most ceil(N * k / BLOCK_M) + E non-empty blocks, so the grid is that large
+A round's N tokens each pick k experts (`group_limited_topk` makes DeepSeek-V3's choice from the router's
+logits): N * k (token, expert) pairs. `align_pairs` places the pairs by expert into blocks of BLOCK_M
+rows, each block holding pairs of one expert (padding rows are -1), with static shapes: there are at most ceil(N * k / BLOCK_M) + E non-empty blocks, so the grid is that large
 and the unused blocks return at once. Nothing reads tensor values on the host, so a round with an MoE
 layer stays one CUDA graph. `grouped_gemm` then runs one program per (block, BLOCK_N output columns):
 the block's rows of the input against its expert's weight, so each chosen expert's weight is read once
 per block rather than once per pair (a verify tree of B + 1 tokens shares most of its experts).
 
 The first GEMM (gate/up, with silu(gate) * up in its epilogue) reads the token rows (pair // k), the
-second (down) reads the pair rows it wrote. Arithmetic is fp32 (gate and up rounded to the model dtype
-before silu(gate) * up, as the reference MLP has them).
+second (down) reads the pair rows it wrote, and `combine_pairs` sums each token's k rows, weighted.
+Arithmetic is fp32 (gate and up rounded to the model dtype before silu(gate) * up, as the reference MLP
+has them). Each step is one kernel launch: a layer's bookkeeping is replayed in every round.
 On CPU the same kernels run under TRITON_INTERPRET=1 (the tests).
 """
 
@@ -82,32 +83,194 @@ if triton is not None:
             mask=valid[:, None] & n_ok[None, :],
         )
 
+    @triton.jit
+    def _align_pairs_kernel(
+        ids_ptr,
+        rows_ptr,
+        block_expert_ptr,
+        cursor_ptr,  # [E_POW2] scratch: each expert's pair count, then its next free row
+        P,
+        BLOCKS,
+        FIRST,
+        E: tl.constexpr,
+        E_POW2: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        CHUNK: tl.constexpr = 1024,
+        BLOCK_CHUNK: tl.constexpr = 32,
+    ):
+        # one program: the barriers order its phases (a CTA's global writes are visible after them)
+        expert = tl.arange(0, E_POW2)
+        tl.store(cursor_ptr + expert, tl.zeros([E_POW2], dtype=tl.int32))
+        tl.debug_barrier()
+        for c in range(0, P, CHUNK):
+            pair = c + tl.arange(0, CHUNK)
+            e = tl.load(ids_ptr + pair, mask=pair < P, other=-1).to(tl.int32) - FIRST
+            tl.atomic_add(cursor_ptr + e, 1, mask=(pair < P) & (e >= 0) & (e < E))
+        tl.debug_barrier()
+        counts = tl.load(cursor_ptr + expert, mask=expert < E, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        tl.debug_barrier()  # every count read before the cursors overwrite them
+        tl.store(cursor_ptr + expert, ends - padded)
+        for r in range(0, BLOCKS * BLOCK_M, CHUNK):
+            row = r + tl.arange(0, CHUNK)
+            tl.store(rows_ptr + row, tl.full([CHUNK], -1, dtype=tl.int32), mask=row < BLOCKS * BLOCK_M)
+        for b0 in range(0, BLOCKS, BLOCK_CHUNK):
+            block = b0 + tl.arange(0, BLOCK_CHUNK)
+            # the block's expert: how many experts' padded rows end at or before its first row
+            before = (ends[None, :] <= block[:, None] * BLOCK_M) & (expert < E)[None, :]
+            owner = tl.sum(before.to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + block, tl.where(owner < E, owner, -1), mask=block < BLOCKS)
+        tl.debug_barrier()
+        for c in range(0, P, CHUNK):
+            pair = c + tl.arange(0, CHUNK)
+            e = tl.load(ids_ptr + pair, mask=pair < P, other=-1).to(tl.int32) - FIRST
+            mine = (pair < P) & (e >= 0) & (e < E)
+            row = tl.atomic_add(cursor_ptr + e, 1, mask=mine)
+            tl.store(rows_ptr + row, pair, mask=mine)
 
-def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """Blocks of `block_m` pairs of one expert each, for expert ids [N, k] (ids outside 0..num_experts-1,
-    e.g. another rank's experts, are left out: their pairs get no row). Returns (rows [blocks * block_m]:
-    the pair index n * k + j, or -1 for padding; block_expert [blocks]: the block's expert, -1 when unused),
-    blocks = ceil(N * k / block_m) + num_experts, whatever the ids."""
-    flat = ids.reshape(-1).long()
-    pairs, dev = flat.numel(), flat.device
-    mine = (flat >= 0) & (flat < num_experts)
-    bucket = torch.where(mine, flat, num_experts)  # the others go to a bucket past the last expert
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
-    counts = torch.cat([counts[:num_experts], counts.new_zeros(1)])  # no rows for the others' bucket
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_start = torch.cumsum(padded, 0) - padded
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(bucket, stable=True)
-    sorted_bucket = bucket[order]
+    @triton.jit
+    def _combine_pairs_kernel(
+        down_ptr,
+        weights_ptr,
+        ids_ptr,
+        out_ptr,
+        H,
+        FIRST,
+        E: tl.constexpr,
+        TOP_K: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # out[t] = sum_j weights[t, j] * down[t * k + j] over the pairs of the experts held here, in fp32
+        token = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair = token * TOP_K + j
+            e = tl.load(ids_ptr + pair).to(tl.int32) - FIRST
+            mine = (e >= 0) & (e < E)  # other pairs' rows were never written
+            row = tl.load(down_ptr + pair.to(tl.int64) * H + h, mask=h_ok & mine, other=0.0)
+            acc += tl.where(mine, tl.load(weights_ptr + pair).to(tl.float32) * row.to(tl.float32), 0.0)
+        tl.store(out_ptr + token.to(tl.int64) * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+    @triton.jit
+    def _group_limited_topk_kernel(
+        logits_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        scaling,
+        E: tl.constexpr,
+        E_POW2: tl.constexpr,
+        GROUPS: tl.constexpr,
+        GROUPS_POW2: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        K_POW2: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+    ):
+        # models.moe.GroupLimitedSigmoid after its GEMM, one program per token; top-k as k argmaxes
+        token = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, E_POW2)
+        ok = e < E
+        scores = tl.sigmoid(tl.load(logits_ptr + token * E + e, mask=ok, other=0.0))
+        choice = tl.where(ok, scores + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+        if GROUPS > 1:  # keep the TOPK_GROUP groups whose two best choices sum highest
+            size: tl.constexpr = E // GROUPS
+            group = e // size
+            g = tl.arange(0, GROUPS_POW2)
+            group_score = tl.full([GROUPS_POW2], float("-inf"), dtype=tl.float32)
+            for i in tl.static_range(GROUPS):
+                member = tl.where(group == i, choice, float("-inf"))
+                best = tl.max(member, axis=0)
+                if size > 1:
+                    best += tl.max(tl.where(e == tl.argmax(member, axis=0), float("-inf"), member), axis=0)
+                group_score = tl.where(g == i, best, group_score)
+            keep = e < 0
+            for _ in tl.static_range(TOPK_GROUP):
+                i = tl.argmax(group_score, axis=0)
+                keep = keep | (group == i)
+                group_score = tl.where(g == i, float("-inf"), group_score)
+            choice = tl.where(keep, choice, float("-inf"))
+        slot = tl.arange(0, K_POW2)
+        ids = tl.zeros([K_POW2], dtype=tl.int32)
+        weights = tl.zeros([K_POW2], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            i = tl.argmax(choice, axis=0)
+            ids = tl.where(slot == j, i, ids)
+            weights = tl.where(slot == j, tl.sum(tl.where(e == i, scores, 0.0), axis=0), weights)
+            choice = tl.where(e == i, float("-inf"), choice)
+        if NORMALIZE:
+            weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+        out = token * TOP_K + slot
+        tl.store(weights_ptr + out, (weights * scaling).to(weights_ptr.dtype.element_ty), mask=slot < TOP_K)
+        tl.store(ids_ptr + out, ids.to(tl.int64), mask=slot < TOP_K)
+
+
+def align_pairs(ids: Tensor, num_experts: int, block_m: int, first_expert: int = 0) -> tuple[Tensor, Tensor]:
+    """Blocks of `block_m` pairs of one expert each, for expert ids [N, k] of the experts first_expert ..
+    first_expert + num_experts - 1 (other ids, e.g. another rank's experts, are left out: their pairs get no
+    row). Returns (rows [blocks * block_m]: the pair index n * k + j, or -1 for padding; block_expert
+    [blocks]: the block's expert counted from first_expert, -1 when unused), blocks = ceil(N * k / block_m)
+    + num_experts, whatever the ids; the blocks in use come first, in expert order. One kernel launch (a
+    round runs one per MoE layer): counts by atomic adds, padded offsets by a prefix sum, then each pair
+    takes the next row of its expert by an atomic add, so the order of pairs inside an expert's blocks
+    varies from run to run; every output row depends on its own pair only, so results do not."""
+    pairs = ids.numel()
     blocks = -(-pairs // block_m) + num_experts
-    dest = padded_start[sorted_bucket] + torch.arange(pairs, device=dev) - start[sorted_bucket]
-    dest = torch.where(sorted_bucket < num_experts, dest, blocks * block_m)  # the others: a row past the end
-    rows = torch.full((blocks * block_m + 1,), -1, dtype=torch.int32, device=dev)
-    rows.scatter_(0, dest, order.to(torch.int32))
-    ends = torch.cumsum(padded[:num_experts], 0)
-    block_expert = torch.searchsorted(ends, torch.arange(blocks, device=dev) * block_m, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return rows[:-1], block_expert
+    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    experts_pow2 = triton.next_power_of_2(num_experts)
+    cursor = torch.empty(experts_pow2, dtype=torch.int32, device=ids.device)
+    _align_pairs_kernel[(1,)](
+        ids.reshape(-1),
+        rows,
+        block_expert,
+        cursor,
+        pairs,
+        blocks,
+        first_expert,
+        E=num_experts,
+        E_POW2=experts_pow2,
+        BLOCK_M=block_m,
+        num_warps=8,
+    )
+    return rows, block_expert
+
+
+def group_limited_topk(
+    logits: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scaling: float,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """models.moe.GroupLimitedSigmoid's choice from its fp32 logits [N, E] and correction bias [E], in one
+    kernel launch (the reference takes about fifteen): (weights [N, k] in `dtype`, expert ids [N, k])."""
+    tokens, experts = logits.shape
+    assert logits.dtype == bias.dtype == torch.float32 and logits.is_contiguous() and experts % n_group == 0
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    _group_limited_topk_kernel[(tokens,)](
+        logits,
+        bias,
+        weights,
+        ids,
+        scaling,
+        E=experts,
+        E_POW2=triton.next_power_of_2(experts),
+        GROUPS=n_group,
+        GROUPS_POW2=triton.next_power_of_2(n_group),
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        NORMALIZE=normalize,
+    )
+    return weights, ids
 
 
 def grouped_gemm(
@@ -123,12 +286,12 @@ def grouped_gemm(
     block_k: int = 64,
 ) -> Tensor:
     """out [pairs, N]: row p = a[p // a_div] @ weight[expert of p].T, for the pairs `align_pairs` placed
-    (rows of pairs it left out are zero). weight [E, N, K], or [E, 2 N, K] with silu_mul: silu(gate) * up
-    of its two halves. `block_m` must be align_pairs'."""
+    (rows of pairs it left out are not written: combine_pairs skips them). weight [E, N, K], or [E, 2 N, K]
+    with silu_mul: silu(gate) * up of its two halves. `block_m` must be align_pairs'."""
     experts, n_rows, k = weight.shape
     n = n_rows // 2 if silu_mul else n_rows
     assert a.shape[-1] == k and a.stride(-1) == 1 and weight.stride(-1) == 1
-    out = torch.zeros(pairs, n, dtype=a.dtype, device=a.device)
+    out = torch.empty(pairs, n, dtype=a.dtype, device=a.device)
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a,
@@ -161,8 +324,30 @@ def moe_experts(
     other experts add nothing, as under expert or tensor parallelism)."""
     tokens, top_k = ids.shape
     experts = w_gate_up.shape[0]
-    rows, block_expert = align_pairs(ids - first_expert, experts, block_m=16)
+    rows, block_expert = align_pairs(ids, experts, 16, first_expert)
     act = grouped_gemm(x, w_gate_up, rows, block_expert, tokens * top_k, a_div=top_k, silu_mul=True)
     down = grouped_gemm(act, w_down, rows, block_expert, tokens * top_k, a_div=1)
-    # the k products summed in fp32, rounded once
-    return (down.view(tokens, top_k, -1).float() * weights[..., None].float()).sum(dim=1).to(x.dtype)
+    return combine_pairs(down, weights, ids, experts, first_expert)
+
+
+def combine_pairs(down: Tensor, weights: Tensor, ids: Tensor, num_experts: int, first_expert: int = 0) -> Tensor:
+    """[N, H] in down's dtype: each token's k rows of down [N * k, H] weighted by weights [N, k] and summed
+    in fp32, rounded once, skipping the pairs whose expert (ids [N, k]) is not first_expert ..
+    first_expert + num_experts - 1 (their rows were never written). One kernel launch."""
+    tokens, top_k = ids.shape
+    hidden = down.shape[-1]
+    assert down.shape == (tokens * top_k, hidden) and down.is_contiguous()
+    out = torch.empty(tokens, hidden, dtype=down.dtype, device=down.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_pairs_kernel[(tokens, triton.cdiv(hidden, block_h))](
+        down,
+        weights.contiguous(),
+        ids.contiguous(),
+        out,
+        hidden,
+        first_expert,
+        E=num_experts,
+        TOP_K=top_k,
+        BLOCK_H=block_h,
+    )
+    return out

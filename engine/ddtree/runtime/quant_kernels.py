@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .kernels import triton
-from .moe_kernels import align_pairs
+from .moe_kernels import align_pairs, combine_pairs
 
 if triton is not None:
     import triton.language as tl
@@ -612,7 +612,7 @@ def grouped_gemm_int4(
     assert unpack in INT4_UNPACK and _block_k_fits(block_k, unpack)
     assert packed.dtype == torch.int32 and words == triton.cdiv(k, 8) and _groups_fit(k, group_size)
     assert scale.shape == (experts, n_rows, k // group_size)
-    out = torch.zeros(pairs, n, dtype=a.dtype, device=a.device)
+    out = torch.empty(pairs, n, dtype=a.dtype, device=a.device)  # rows of pairs left out: never read
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_int4_kernel[grid](
         a,
@@ -662,7 +662,7 @@ def moe_experts_int4(
     [E, 2 I, H / G], down_packed [E, H, I / 8] with down_scale [E, H, I / G]. unpack: one of INT4_UNPACK."""
     tokens, top_k = ids.shape
     experts = gate_up_packed.shape[0]
-    rows, block_expert = align_pairs(ids - first_expert, experts, block_m=16)
+    rows, block_expert = align_pairs(ids, experts, 16, first_expert)
     pairs = tokens * top_k
     act = grouped_gemm_int4(
         x,
@@ -679,5 +679,4 @@ def moe_experts_int4(
     down = grouped_gemm_int4(
         act, down_packed, down_scale, group_size, rows, block_expert, pairs, a_div=1, unpack=unpack
     )
-    # the k products summed in fp32, rounded once
-    return (down.view(tokens, top_k, -1).float() * weights[..., None].float()).sum(dim=1).to(x.dtype)
+    return combine_pairs(down, weights, ids, experts, first_expert)
