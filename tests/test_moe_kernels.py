@@ -66,7 +66,7 @@ def test_the_moe_bookkeeping_kernels_compile_for_sm_90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ddtree.runtime.moe_kernels import _align_pairs_kernel, _combine_pairs_kernel, _group_limited_topk_kernel
+    from ddtree.runtime.moe_kernels import _align_pairs_kernel, _combine_pairs_kernel, _router_topk_kernel
 
     align = dict(ids_ptr="*i64", rows_ptr="*i32", block_expert_ptr="*i32", cursor_ptr="*i32")
     combine = dict(down_ptr="*bf16", weights_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16")
@@ -75,9 +75,9 @@ def test_the_moe_bookkeeping_kernels_compile_for_sm_90():
         (_align_pairs_kernel, align, dict(E=384, E_POW2=512, BLOCK_M=16, CHUNK=1024, BLOCK_CHUNK=32), 8),
         (_combine_pairs_kernel, combine, dict(E=384, TOP_K=8, BLOCK_H=1024), 4),
     ]
-    for groups, kept in ((1, 1), (8, 4)):
+    for softmax, groups, kept in ((False, 1, 1), (False, 8, 4), (True, 1, 1)):
         choice = dict(E=384, E_POW2=512, GROUPS=groups, GROUPS_POW2=groups, TOPK_GROUP=kept, TOP_K=8, K_POW2=8)
-        kernels.append((_group_limited_topk_kernel, router, choice | dict(NORMALIZE=True), 4))
+        kernels.append((_router_topk_kernel, router, choice | dict(SOFTMAX=softmax, NORMALIZE=True), 4))
     for kernel, pointers, consts, warps in kernels:
         sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
         compiled = triton.compile(
@@ -92,21 +92,33 @@ ROUTER_CASES = [(9, 32, 4, 4, 2, True, 2.5), (5, 24, 8, 1, 1, True, 2.827), (3, 
 
 
 def check_router(device, dtype, tokens, experts, top_k, n_group, topk_group, normalize, scaling, hidden=64):
-    """fused.TritonGroupLimitedSigmoid (its choice one kernel) against models.moe.GroupLimitedSigmoid."""
-    from ddtree.models.moe import GroupLimitedSigmoid
-    from ddtree.runtime.fused import TritonGroupLimitedSigmoid, swap
+    """fused.TritonGroupLimitedSigmoid (its choice one kernel) against models.moe.GroupLimitedSigmoid and,
+    for one group without scaling, fused.TritonSoftmaxTopK against models.moe.SoftmaxTopK."""
+    from ddtree.models.moe import GroupLimitedSigmoid, SoftmaxTopK
+    from ddtree.runtime.fused import TritonGroupLimitedSigmoid, TritonSoftmaxTopK
 
     g = torch.Generator().manual_seed(tokens + experts)
     router = GroupLimitedSigmoid(hidden, experts, top_k, n_group, topk_group, normalize, scaling)
     with torch.no_grad():
         router.weight.copy_(torch.randn(experts, hidden, generator=g) / hidden**0.5)
         router.e_score_correction_bias.copy_(torch.randn(experts, generator=g) * 0.1)
-    router.weight.data = router.weight.data.to(dtype)
-    router.to(device)
     x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    check_router_swap(router, TritonGroupLimitedSigmoid, x)
+    if n_group == 1:
+        softmax = SoftmaxTopK(hidden, experts, top_k, normalize)
+        softmax.weight.data.copy_(router.weight.data)
+        check_router_swap(softmax, TritonSoftmaxTopK, x)
+
+
+def check_router_swap(router, fused, x):
+    from ddtree.runtime.fused import swap
+
+    router.weight.data = router.weight.data.to(x.dtype)
+    router.to(x.device)
     want_weights, want_ids = router(x)
-    swap(router, TritonGroupLimitedSigmoid)
+    swap(router, fused)
     weights, ids = router(x)
+    tokens, top_k, dtype = x.shape[0], router.top_k, x.dtype
     assert ids.dtype == torch.int64 and weights.dtype == dtype and ids.shape == weights.shape == (tokens, top_k)
     assert torch.equal(ids, want_ids)  # random scores: no ties
     torch.testing.assert_close(weights, want_weights, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)

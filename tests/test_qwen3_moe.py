@@ -444,7 +444,7 @@ def test_triton_backend_equals_torch():
     """The "triton" backend (its attention, layers and kernels, with the fused MoE) gives the "torch"
     backend's logits for a prefill and a one-token step, and the sliding drafter's Triton attention reads
     the windowed mask as it is."""
-    from ddtree.runtime.fused import FusedMoE, TritonMoE, use_drafter_backend
+    from ddtree.runtime.fused import FusedMoE, TritonMoE, TritonSoftmaxTopK, use_drafter_backend
 
     target = tiny_moe_target()
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -453,6 +453,8 @@ def test_triton_backend_equals_torch():
         use_backend(target, backend)
         moe = {type(m) for m in target.modules() if isinstance(m, SparseMoE)}
         assert moe == {TritonMoE if backend == "triton" else FusedMoE}  # the grouped GEMM kernels on "triton"
+        routers = {type(m.gate) for m in target.modules() if isinstance(m, SparseMoE)}
+        assert routers == {TritonSoftmaxTopK if backend == "triton" else SoftmaxTopK}
         target.setup_caches(max_batch=2, max_slots=16)
         j = torch.arange(8).expand(2, -1)
         with torch.no_grad():

@@ -28,14 +28,14 @@ from torch import Tensor, nn
 from ..models import deepseek_v3
 from ..models.layers import MLP, RMSNorm, concat_views
 from ..models.llama import Attention, DecoderLayer, Transformer
-from ..models.moe import GroupLimitedSigmoid, SparseMoE
+from ..models.moe import GroupLimitedSigmoid, SoftmaxTopK, SparseMoE
 from ..models.quant import Fp8BlockLinear, Int4Linear, dequantize_fp8_block, dequantize_int4
 from ..speculative.drafter import DFlashDrafter, DrafterAttention, DrafterLayer
 from ..speculative.tree import Tree, build_ddtree
 from ..speculative.verify import Walk, walk
 from . import kernels
 from .mla_kernels import latent_attention, latent_rope_cache
-from .moe_kernels import group_limited_topk, moe_experts
+from .moe_kernels import group_limited_topk, moe_experts, softmax_topk
 from .quant_kernels import fp8_block_linear, int4_linear, moe_experts_int4
 
 BACKENDS = ("reference", "torch", "triton")
@@ -519,6 +519,15 @@ class TritonGroupLimitedSigmoid(_Swapped, GroupLimitedSigmoid):
         )
 
 
+class TritonSoftmaxTopK(_Swapped, SoftmaxTopK):
+    """Qwen3-MoE's router in two launches: the reference's GEMM, then softmax_topk in one kernel."""
+
+    reference = SoftmaxTopK
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return softmax_topk(F.linear(x, self.weight), self.top_k, self.normalize, x.dtype)
+
+
 class TritonInt4Linear(_Swapped, Int4Linear):
     """W4A16 through the Triton GEMM of runtime/quant_kernels.py (the weight dequantized in registers)."""
 
@@ -540,6 +549,7 @@ class TritonFp8BlockLinear(_Swapped, Fp8BlockLinear):
 SWAPS["torch"][SparseMoE] = FusedMoE
 SWAPS["triton"][SparseMoE] = TritonMoE
 SWAPS["triton"][GroupLimitedSigmoid] = TritonGroupLimitedSigmoid
+SWAPS["triton"][SoftmaxTopK] = TritonSoftmaxTopK
 SWAPS["triton"][Int4Linear] = TritonInt4Linear
 SWAPS["triton"][Fp8BlockLinear] = TritonFp8BlockLinear
 

@@ -1,10 +1,11 @@
 """Grouped expert GEMMs for mixture-of-experts layers: only the chosen experts' weights are read.
 
-A round's N tokens each pick k experts (`group_limited_topk` makes DeepSeek-V3's choice from the router's
+A round's N tokens each pick k experts (`group_limited_topk` and `softmax_topk` choose from the router's
 logits): N * k (token, expert) pairs. `align_pairs` places the pairs by expert into blocks of BLOCK_M
-rows, each block holding pairs of one expert (padding rows are -1), with static shapes: there are at most ceil(N * k / BLOCK_M) + E non-empty blocks, so the grid is that large
-and the unused blocks return at once. Nothing reads tensor values on the host, so a round with an MoE
-layer stays one CUDA graph. `grouped_gemm` then runs one program per (block, BLOCK_N output columns):
+rows, each block holding pairs of one expert (padding rows are -1), with static shapes: there are at
+most ceil(N * k / BLOCK_M) + E non-empty blocks, so the grid is that large and the unused blocks return
+at once. Nothing reads tensor values on the host, so a round with an MoE layer stays one CUDA graph.
+`grouped_gemm` then runs one program per (block, BLOCK_N output columns):
 the block's rows of the input against its expert's weight, so each chosen expert's weight is read once
 per block rather than once per pair (a verify tree of B + 1 tokens shares most of its experts).
 
@@ -155,7 +156,7 @@ if triton is not None:
         tl.store(out_ptr + token.to(tl.int64) * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
     @triton.jit
-    def _group_limited_topk_kernel(
+    def _router_topk_kernel(
         logits_ptr,
         bias_ptr,
         weights_ptr,
@@ -163,6 +164,7 @@ if triton is not None:
         scaling,
         E: tl.constexpr,
         E_POW2: tl.constexpr,
+        SOFTMAX: tl.constexpr,  # softmax scores (Qwen3-MoE), else sigmoid scores and a correction bias
         GROUPS: tl.constexpr,
         GROUPS_POW2: tl.constexpr,
         TOPK_GROUP: tl.constexpr,
@@ -170,12 +172,18 @@ if triton is not None:
         K_POW2: tl.constexpr,
         NORMALIZE: tl.constexpr,
     ):
-        # models.moe.GroupLimitedSigmoid after its GEMM, one program per token; top-k as k argmaxes
+        # models.moe's routers after their GEMM, one program per token; the top k as k argmaxes
         token = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E_POW2)
         ok = e < E
-        scores = tl.sigmoid(tl.load(logits_ptr + token * E + e, mask=ok, other=0.0))
-        choice = tl.where(ok, scores + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+        logits = tl.load(logits_ptr + token * E + e, mask=ok, other=float("-inf")).to(tl.float32)
+        if SOFTMAX:
+            exp = tl.exp(logits - tl.max(logits, axis=0))
+            scores = exp / tl.sum(exp, axis=0)
+            choice = tl.where(ok, scores, float("-inf"))
+        else:
+            scores = tl.sigmoid(logits)
+            choice = tl.where(ok, scores + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
         if GROUPS > 1:  # keep the TOPK_GROUP groups whose two best choices sum highest
             size: tl.constexpr = E // GROUPS
             group = e // size
@@ -202,7 +210,10 @@ if triton is not None:
             weights = tl.where(slot == j, tl.sum(tl.where(e == i, scores, 0.0), axis=0), weights)
             choice = tl.where(e == i, float("-inf"), choice)
         if NORMALIZE:
-            weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+            if SOFTMAX:
+                weights = weights / tl.sum(weights, axis=0)
+            else:  # with the reference's epsilon
+                weights = weights / (tl.sum(weights, axis=0) + 1e-20)
         out = token * TOP_K + slot
         tl.store(weights_ptr + out, (weights * scaling).to(weights_ptr.dtype.element_ty), mask=slot < TOP_K)
         tl.store(ids_ptr + out, ids.to(tl.int64), mask=slot < TOP_K)
@@ -239,6 +250,25 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int, first_expert: int =
     return rows, block_expert
 
 
+def _router_topk(logits: Tensor, bias: Tensor | None, top_k: int, dtype: torch.dtype, **meta) -> tuple[Tensor, Tensor]:
+    tokens, experts = logits.shape
+    assert logits.is_contiguous()
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    _router_topk_kernel[(tokens,)](
+        logits,
+        logits if bias is None else bias,
+        weights,
+        ids,
+        E=experts,
+        E_POW2=triton.next_power_of_2(experts),
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        **meta,
+    )
+    return weights, ids
+
+
 def group_limited_topk(
     logits: Tensor,
     bias: Tensor,
@@ -251,26 +281,16 @@ def group_limited_topk(
 ) -> tuple[Tensor, Tensor]:
     """models.moe.GroupLimitedSigmoid's choice from its fp32 logits [N, E] and correction bias [E], in one
     kernel launch (the reference takes about fifteen): (weights [N, k] in `dtype`, expert ids [N, k])."""
-    tokens, experts = logits.shape
-    assert logits.dtype == bias.dtype == torch.float32 and logits.is_contiguous() and experts % n_group == 0
-    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
-    _group_limited_topk_kernel[(tokens,)](
-        logits,
-        bias,
-        weights,
-        ids,
-        scaling,
-        E=experts,
-        E_POW2=triton.next_power_of_2(experts),
-        GROUPS=n_group,
-        GROUPS_POW2=triton.next_power_of_2(n_group),
-        TOPK_GROUP=topk_group,
-        TOP_K=top_k,
-        K_POW2=triton.next_power_of_2(top_k),
-        NORMALIZE=normalize,
-    )
-    return weights, ids
+    assert logits.dtype == bias.dtype == torch.float32 and logits.shape[1] % n_group == 0
+    groups = dict(GROUPS=n_group, GROUPS_POW2=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group)
+    return _router_topk(logits, bias, top_k, dtype, scaling=scaling, SOFTMAX=False, NORMALIZE=normalize, **groups)
+
+
+def softmax_topk(logits: Tensor, top_k: int, normalize: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """models.moe.SoftmaxTopK's choice from its logits [N, E] (in the model's dtype, as its GEMM gives
+    them), in one kernel launch: softmax in fp32, the top k, renormalised when `normalize`."""
+    groups = dict(GROUPS=1, GROUPS_POW2=1, TOPK_GROUP=1)
+    return _router_topk(logits, None, top_k, dtype, scaling=1.0, SOFTMAX=True, NORMALIZE=normalize, **groups)
 
 
 def grouped_gemm(
