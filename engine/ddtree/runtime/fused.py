@@ -509,8 +509,8 @@ class TritonGroupLimitedSigmoid(_Swapped, GroupLimitedSigmoid):
     reference = GroupLimitedSigmoid
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        if x.is_cuda and torch.version.hip is None and x.dtype in (torch.bfloat16, torch.float16):
+            logits = torch.mm(x, self.weight.t(), out_dtype=torch.float32)  # documented for CUDA only
         else:
             logits = F.linear(x.float(), self.weight.float())
         bias = self.e_score_correction_bias.float()  # fp32 already, as the model keeps it
