@@ -20,7 +20,7 @@ def check_align_pairs(device, tokens, top_k, experts, block_m, first_expert):
     total = first_expert + experts + 2  # some ids are other ranks' experts, before and after ours
     ids = torch.stack([torch.randperm(total, generator=g)[:top_k] for _ in range(tokens)])
     rows, block_expert = (t.cpu() for t in align_pairs(ids.to(device), experts, block_m, first_expert))
-    blocks = -(-tokens * top_k // block_m) + experts
+    blocks = min(-(-tokens * top_k // block_m) + experts, tokens * top_k)  # every block in use holds a pair
     assert rows.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
     assert rows.dtype == block_expert.dtype == torch.int32
     local = ids.reshape(-1) - first_expert

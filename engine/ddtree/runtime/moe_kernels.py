@@ -3,11 +3,12 @@
 A round's N tokens each pick k experts (`group_limited_topk` and `softmax_topk` choose from the router's
 logits): N * k (token, expert) pairs. `align_pairs` places the pairs by expert into blocks of BLOCK_M
 rows, each block holding pairs of one expert (padding rows are -1), with static shapes: there are at
-most ceil(N * k / BLOCK_M) + E non-empty blocks, so the grid is that large and the unused blocks return
-at once. Nothing reads tensor values on the host, so a round with an MoE layer stays one CUDA graph.
-`grouped_gemm` then runs one program per (block, BLOCK_N output columns):
-the block's rows of the input against its expert's weight, so each chosen expert's weight is read once
-per block rather than once per pair (a verify tree of B + 1 tokens shares most of its experts).
+most min(ceil(N * k / BLOCK_M) + E, N * k) non-empty blocks (each holds a pair, and each expert adds at
+most one part-filled block), so the grid is that large and the unused blocks return at once: 8 blocks
+for a decode step's top 8, not 1 + 384. Nothing reads tensor values on the host, so a round with an MoE
+layer stays one CUDA graph. `grouped_gemm` then runs one program per (block, BLOCK_N output columns): the
+block's rows of the input against its expert's weight, so each chosen expert's weight is read once per
+block rather than once per pair (a verify tree of B + 1 tokens shares most of its experts).
 
 The first GEMM (gate/up, with silu(gate) * up in its epilogue) reads the token rows (pair // k), the
 second (down) reads the pair rows it wrote, and `combine_pairs` sums each token's k rows, weighted.
@@ -223,13 +224,14 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int, first_expert: int =
     """Blocks of `block_m` pairs of one expert each, for expert ids [N, k] of the experts first_expert ..
     first_expert + num_experts - 1 (other ids, e.g. another rank's experts, are left out: their pairs get no
     row). Returns (rows [blocks * block_m]: the pair index n * k + j, or -1 for padding; block_expert
-    [blocks]: the block's expert counted from first_expert, -1 when unused), blocks = ceil(N * k / block_m)
-    + num_experts, whatever the ids; the blocks in use come first, in expert order. One kernel launch (a
-    round runs one per MoE layer): counts by atomic adds, padded offsets by a prefix sum, then each pair
-    takes the next row of its expert by an atomic add, so the order of pairs inside an expert's blocks
-    varies from run to run; every output row depends on its own pair only, so results do not."""
+    [blocks]: the block's expert counted from first_expert, -1 when unused), blocks = min(ceil(N * k /
+    block_m) + num_experts, N * k) whatever the ids; the blocks in use come first, in expert order. One
+    kernel launch (a round runs one per MoE layer): counts by atomic adds, padded offsets by a prefix sum,
+    then each pair takes the next row of its expert by an atomic add, so the order of pairs inside an
+    expert's blocks varies from run to run; every output row depends on its own pair only, so results do
+    not."""
     pairs = ids.numel()
-    blocks = -(-pairs // block_m) + num_experts
+    blocks = min(-(-pairs // block_m) + num_experts, pairs)
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     experts_pow2 = triton.next_power_of_2(num_experts)
