@@ -16,7 +16,6 @@ import inspect
 import itertools
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -37,6 +36,7 @@ from ddtree.runtime.fused import (
     use_backend,
     use_drafter_backend,
 )
+from sm90 import compile_sm90, tool
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.triton_interpreter  # skipped unless TRITON_INTERPRET=1 (conftest.py)
@@ -967,20 +967,11 @@ def test_bench_micro_kernels_flag_on_cpu():
 def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
     """Ahead-of-time compilation to an sm_90 cubin (ptxas ships with triton): catches what the lenient
     interpreter lets through (types, constexpr branches), and checks bf16 stores round to nearest."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ddtree.runtime import kernels as K
     from ddtree.runtime import mla_kernels as M
 
     def compile_(fn, dtype, ints, consts, warps, stages=3):
-        sig = {
-            n: "constexpr" if n in consts else ints.get(n, "*" + dtype if n.endswith("_ptr") else "i64")
-            for n in fn.arg_names
-        }
-        src = ASTSource(fn, sig, constexprs=consts)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        return compile_sm90(fn, consts, ints, dtype, warps, stages)
 
     for dtype in ("bf16", "fp32"):
         for norm in (False, True):
@@ -1168,9 +1159,10 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
             assert latent.metadata.shared <= 227 * 1024, latent.metadata.shared
             ptx = tmp_path / "latent.ptx"
             ptx.write_text(latent.asm["ptx"])
-            ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
             report = subprocess.run(
-                [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull], capture_output=True, text=True
+                [str(tool("ptxas")), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
+                capture_output=True,
+                text=True,
             )
             assert report.returncode == 0 and "registers" in report.stderr, report.stderr
         compile_(

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.runtime.moe_kernels import align_pairs, moe_experts
+from sm90 import compile_sm90
 
 interp = pytest.mark.triton_interpreter
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
@@ -62,10 +63,6 @@ def test_the_moe_bookkeeping_kernels_compile_for_sm_90():
     """Ahead of time, without a GPU: the one-program alignment (atomics, barriers, a prefix sum), the
     weighted combine and the router's choice compile to sm_90a cubins at Kimi K2.6's sizes (384 experts,
     top 8, hidden 7168) and with DeepSeek-V3's groups (8, 4 kept)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ddtree.runtime.moe_kernels import _align_pairs_kernel, _combine_pairs_kernel, _router_topk_kernel
 
     align = dict(ids_ptr="*i64", rows_ptr="*i32", block_expert_ptr="*i32", cursor_ptr="*i32")
@@ -78,12 +75,8 @@ def test_the_moe_bookkeeping_kernels_compile_for_sm_90():
     for softmax, groups, kept in ((False, 1, 1), (False, 8, 4), (True, 1, 1)):
         choice = dict(E=384, E_POW2=512, GROUPS=groups, GROUPS_POW2=groups, TOPK_GROUP=kept, TOP_K=8, K_POW2=8)
         kernels.append((_router_topk_kernel, router, choice | dict(SOFTMAX=softmax, NORMALIZE=True), 4))
-    for kernel, pointers, consts, warps in kernels:
-        sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in kernel.arg_names}
-        compiled = triton.compile(
-            ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)
-        )
-        assert compiled.asm["cubin"], kernel.__name__
+    for kernel, types, consts, warps in kernels:
+        assert compile_sm90(kernel, consts, types, warps=warps).asm["cubin"], kernel.__name__
 
 
 # (tokens, experts, top k, groups, groups kept, normalize, scaling): DeepSeek-V3-like groups, Kimi K2's one

@@ -5,8 +5,6 @@ The Triton kernels run on CPU under the interpreter (marker `triton_interpreter`
 `make test-triton-interpreter`) and compiled on a GPU (`gpu`)."""
 
 import os
-import pathlib
-import subprocess
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from ddtree.models.quant import dequantize_fp8_block, dequantize_int4
 from ddtree.runtime.moe_kernels import moe_experts
 from ddtree.runtime.quant_kernels import INT4_UNPACK, fp8_block_linear, int4_linear, moe_experts_int4
+from sm90 import compile_sm90, sass
 
 interp = pytest.mark.triton_interpreter
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
@@ -125,16 +124,9 @@ def test_the_grouped_int4_kernel_compiles_for_sm_90_without_conversions_or_shuff
     its SASS, "packed" dequantises with no integer-to-float conversion, where "planes" takes one a weight;
     and fragment_order moves no weight between threads before the dots (no shuffles), where the plain
     tile order takes 64 a 128-k step."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ddtree.runtime.quant_kernels import _grouped_int4_kernel
 
-    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    names = _grouped_int4_kernel.arg_names
     ints = dict(q_ptr="*i32", rows_ptr="*i32", block_expert_ptr="*i32", N="i32")
-    sig = {n: ints.get(n, "*bf16" if n.endswith("_ptr") else "i64") for n in names}
     counts = {}
     for unpack, split, fragment in (
         ("planes", False, False),
@@ -145,15 +137,9 @@ def test_the_grouped_int4_kernel_compiles_for_sm_90_without_conversions_or_shuff
     ):
         consts = dict(K=7168, G=32, A_DIV=8, SILU_MUL=True, FP32_DOT=False, PRECISION="tf32", BLOCK_M=16)
         consts |= dict(BLOCK_N=64, BLOCK_K=128, UNPACK=unpack, SPLIT_COLUMNS=split, FRAGMENT_ORDER=fragment)
-        divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
-        src = ASTSource(_grouped_int4_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, divisible)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
-        cubin = tmp_path / f"{unpack}-{split}-{fragment}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run(
-            [str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-        counts[unpack, split, fragment] = sass.count("I2F"), sass.count("SHFL")
+        kernel = compile_sm90(_grouped_int4_kernel, consts, ints, divisible=True)
+        code = sass(kernel, tmp_path / f"{unpack}-{split}-{fragment}.cubin")
+        counts[unpack, split, fragment] = code.count("I2F"), code.count("SHFL")
     conversions = {case: c for case, (c, _) in counts.items()}
     shuffles = {case: s for case, (_, s) in counts.items()}
     assert conversions.pop(("planes", False, False)) >= 128 and set(conversions.values()) == {0}, counts
