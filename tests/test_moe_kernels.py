@@ -69,7 +69,7 @@ def test_the_moe_bookkeeping_kernels_compile_for_sm_90():
     combine = dict(down_ptr="*bf16", weights_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16")
     router = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*bf16", ids_ptr="*i64", scaling="fp32")
     kernels = [
-        (_align_pairs_kernel, align, dict(E=384, E_POW2=512, BLOCK_M=16, CHUNK=1024, BLOCK_CHUNK=32), 8),
+        (_align_pairs_kernel, align, dict(E=384, E_POW2=512, BLOCK_M=16, CHUNK=1024), 8),
         (_combine_pairs_kernel, combine, dict(E=384, TOP_K=8, BLOCK_H=1024), 4),
     ]
     for softmax, groups, kept in ((False, 1, 1), (False, 8, 4), (True, 1, 1)):

@@ -98,7 +98,6 @@ if triton is not None:
         E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr,
         CHUNK: tl.constexpr = 1024,
-        BLOCK_CHUNK: tl.constexpr = 32,
     ):
         # one program: the barriers order its phases (a CTA's global writes are visible after them)
         expert = tl.arange(0, E_POW2)
@@ -117,12 +116,16 @@ if triton is not None:
         for r in range(0, BLOCKS * BLOCK_M, CHUNK):
             row = r + tl.arange(0, CHUNK)
             tl.store(rows_ptr + row, tl.full([CHUNK], -1, dtype=tl.int32), mask=row < BLOCKS * BLOCK_M)
-        for b0 in range(0, BLOCKS, BLOCK_CHUNK):
-            block = b0 + tl.arange(0, BLOCK_CHUNK)
-            # the block's expert: how many experts' padded rows end at or before its first row
-            before = (ends[None, :] <= block[:, None] * BLOCK_M) & (expert < E)[None, :]
-            owner = tl.sum(before.to(tl.int32), axis=1)
-            tl.store(block_expert_ptr + block, tl.where(owner < E, owner, -1), mask=block < BLOCKS)
+        for b0 in range(0, BLOCKS, CHUNK):
+            block = b0 + tl.arange(0, CHUNK)
+            tl.store(block_expert_ptr + block, tl.full([CHUNK], -1, dtype=tl.int32), mask=block < BLOCKS)
+        tl.debug_barrier()  # the unused blocks' -1 before the experts' own blocks
+        # each expert writes its id into its blocks, one block of every expert a step: as many steps as the
+        # largest expert has blocks (one or two at decode and verify widths)
+        first_block = (ends - padded) // BLOCK_M
+        expert_blocks = tl.where(expert < E, padded // BLOCK_M, 0)
+        for j in range(0, tl.max(expert_blocks, axis=0)):
+            tl.store(block_expert_ptr + first_block + j, expert, mask=j < expert_blocks)
         tl.debug_barrier()
         for c in range(0, P, CHUNK):
             pair = c + tl.arange(0, CHUNK)
