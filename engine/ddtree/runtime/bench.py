@@ -391,11 +391,10 @@ def attention_sweep(
     block_ns: tuple[int, ...] = (64,),
     layers: int = 8,
     round_like: bool = False,
-    tail_rows: tuple[int, ...] = (0,),
 ) -> list[dict]:
     """kernels.attention's tuning knobs (chunk: key slots per program, 64 to one chunk for the whole span
     unless `chunks` names them; max_rows; num_warps; num_stages; block_n: keys per step, where the
-    default tile spills registers; tail_rows) swept at the Qwen3-8B geometry (32 query heads, 8 KV heads of 128)
+    default tile spills registers) swept at the Qwen3-8B geometry (32 query heads, 8 KV heads of 128)
     over `shapes` (batch, query tokens, cached tokens, span of the graph bucket; default: decode, draft
     and verify widths at batch 1 to 64): per shape, the default's time and every configuration's, in ms
     a layer. Each timing runs one attention over each of `layers` caches in turn, as a forward does: one
@@ -439,16 +438,14 @@ def attention_sweep(
         reference = default()
         default_ms = _device_ms(default) / layers
         knob_sets = []
-        for chunk, rows, num_warps, num_stages, block_n, tail in itertools.product(
-            chunks or _doubling(64, span), max_rows, warps, stages, block_ns, tail_rows
+        for chunk, rows, num_warps, num_stages, block_n in itertools.product(
+            chunks or _doubling(64, span), max_rows, warps, stages, block_ns
         ):
             knobs = dict(chunk=chunk, max_rows=rows, num_stages=num_stages)
             if warps != (4,):
                 knobs["num_warps"] = num_warps
             if block_ns != (64,):
                 knobs["block_n"] = block_n
-            if tail_rows != (0,):
-                knobs["tail_rows"] = tail
             knob_sets.append(knobs)
         configs = [{**c, "ms": round(c["ms"] / layers, 4)} for c in _timed_configs(default, knob_sets, reference)]
         best = min(configs, key=lambda c: c["ms"])

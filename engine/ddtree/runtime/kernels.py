@@ -482,7 +482,6 @@ if triton is not None:
         scale,
         SPLITS,
         ROW_BLOCKS,
-        ROW0,
         CHUNK,
         q_sb,
         q_sh,
@@ -526,7 +525,7 @@ if triton is not None:
             row = tl.load(rows_ptr + b * rows_s)
         else:
             row = b
-        r = ROW0 + block * BLOCK_M + tl.arange(0, BLOCK_M)
+        r = block * BLOCK_M + tl.arange(0, BLOCK_M)
         head = kvh * GROUP + r % GROUP
         t = r // GROUP
         used = r < GROUP * T
@@ -1342,7 +1341,6 @@ def attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int | None = None,
-    tail_rows: int = 16,
 ) -> Tensor:
     """Masked attention of a few query tokens over the cache (a verify, the drafter's block).
 
@@ -1358,9 +1356,7 @@ def attention(
     query heads, chunk), and a second kernel merges the chunks' softmaxes (flash-decoding); with one
     chunk for the whole span the programs write the output themselves. The mask is read as is, and only
     past the prefix every query sees. max_rows, block_n (keys per step), num_warps and num_stages are
-    tuning knobs, kept as arguments for configuration sweeps. tail_rows: when the rows past the last full
-    tile are at most this many (33 tokens of 4 query heads a KV head: 4 rows past two tiles of 64), a
-    second launch takes them in tiles of 16 instead of a tile of max_rows that computes 60 padding rows."""
+    tuning knobs, kept as arguments for configuration sweeps."""
     bs, heads, T, hd = q.shape
     kv_heads, span = k_cache.shape[0], mask.shape[-1]
     assert heads % kv_heads == 0 and span <= slot_map.shape[1] and slot_map.stride(1) == 1
@@ -1383,65 +1379,6 @@ def attention(
     ml = torch.empty(0 if direct else bs * heads * splits * T, 2, dtype=torch.float32, device=q.device)
     m8 = mask.view(torch.int8)
     bounds = mask_bounds(mask) if bounds is None else bounds
-    full_blocks, tail = divmod(group * T, block_m)
-    if 0 < tail <= tail_rows and full_blocks:  # (rows a tile, tiles, first row) of each launch
-        launches = [(block_m, full_blocks, 0), (max(16, triton.next_power_of_2(tail)), 1, full_blocks * block_m)]
-    else:
-        launches = [(block_m, row_blocks, 0)]
-    for tile_rows, tiles, first_row in launches:
-        _attention_partial(
-            q,
-            k_cache,
-            v_cache,
-            slot_map,
-            m8,
-            bounds,
-            rows,
-            acc,
-            ml,
-            out,
-            span,
-            splits,
-            chunk,
-            tile_rows,
-            tiles,
-            first_row,
-            block_d,
-            min(block_n, chunk),
-            direct,
-            num_warps,
-            num_stages,
-        )
-    if not direct:
-        combine_chunks(acc, ml, out, splits)
-    return out.view(bs, T, heads * hd)
-
-
-def _attention_partial(
-    q,
-    k_cache,
-    v_cache,
-    slot_map,
-    m8,
-    bounds,
-    rows,
-    acc,
-    ml,
-    out,
-    span,
-    splits,
-    chunk,
-    block_m,
-    row_blocks,
-    row0,
-    block_d,
-    block_n,
-    direct,
-    num_warps,
-    num_stages,
-) -> None:
-    bs, heads, T, hd = q.shape
-    kv_heads = k_cache.shape[0]
     _attention_partial_kernel[(bs * kv_heads * row_blocks, splits)](
         q,
         k_cache,
@@ -1458,7 +1395,6 @@ def _attention_partial(
         hd**-0.5,
         splits,
         row_blocks,
-        row0,
         chunk,  # runtime values: new prompt lengths and spans compile nothing new
         q.stride(0),
         q.stride(1),
@@ -1476,11 +1412,11 @@ def _attention_partial(
         out.stride(1),
         out.stride(2),
         H=heads,
-        GROUP=heads // kv_heads,
+        GROUP=group,
         D=hd,
         DIRECT=direct,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=min(block_n, chunk),
         BLOCK_D=block_d,
         HAS_ROWS=rows is not None,
         FP32_DOT=q.device.type == "cpu",
@@ -1488,3 +1424,6 @@ def _attention_partial(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if not direct:
+        combine_chunks(acc, ml, out, splits)
+    return out.view(bs, T, heads * hd)
