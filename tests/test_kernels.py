@@ -1277,3 +1277,20 @@ def test_graph_captured_forward_with_kernels_matches_torch():
             torch.cuda.synchronize()
             outs[kernels] = logits.float().clone()
     torch.testing.assert_close(outs[True], outs[False], atol=0.15, rtol=0.05)
+
+
+def test_aligned_rows_pads_unaligned_mask_rows_and_keeps_broadcasts():
+    """kernels.aligned_rows: a mask whose sequence or row stride is not a multiple of 16 comes back equal,
+    in rows padded to 16 (broadcast dimensions still broadcast); an aligned one comes back as is."""
+    from ddtree.runtime.kernels import aligned_rows
+
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(3)
+    full = torch.rand(3, 1, 33, 1505, generator=g) < 0.5
+    one_row = (torch.rand(3, 1, 1, 1505, generator=g) < 0.5).expand(3, 1, 16, 1505)
+    for mask in (full, one_row, full[:, :, :, :100]):
+        out = aligned_rows(mask)
+        assert torch.equal(out, mask) and out.stride(0) % 16 == 0 and out.stride(2) % 16 == 0 and out.stride(3) == 1
+        assert out.stride(2) == (0 if mask.stride(2) == 0 else -(-mask.shape[-1] // 16) * 16)  # 1520, 112
+    aligned = torch.rand(2, 1, 33, 2048, generator=g) < 0.5
+    assert aligned_rows(aligned) is aligned

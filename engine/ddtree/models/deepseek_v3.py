@@ -43,6 +43,7 @@ from . import llama
 from .base import CausalLM
 from .layers import (
     MLP,
+    AttentionMeta,
     Collectives,
     RMSNorm,
     StepAttention,
@@ -501,7 +502,7 @@ class Attention(StepAttention):
         w_uk, _ = self._kv_b()
         return torch.einsum("bthn,hnr->bhtr", q_nope, w_uk)
 
-    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
+    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: AttentionMeta) -> Tensor:
         """Every head over the cached latents (keys: all of them; values: the compressed kv), then W_uv:
         [bs, T, heads * v_head_dim]."""
         bs, _, T, _ = q.shape

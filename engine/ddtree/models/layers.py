@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+# what an attention layer's metadata() gives the layers of one forward (none for the reference; the fused
+# kernels' mask bounds and aligned mask)
+AttentionMeta = Any
 
 
 class Collectives(Protocol):
@@ -249,7 +253,7 @@ class StepAttention(nn.Module):
     rotate_and_cache: Callable[..., Tensor]  # (*project(x), cos, sin, slots, rows) -> queries
     attend: Callable[..., Tensor]  # (q, mask, rows, meta) -> [bs, T, heads * head dim]
 
-    def metadata(self, mask: Tensor) -> Tensor | None:
+    def metadata(self, mask: Tensor) -> AttentionMeta:
         """What the layers of one forward share about its mask (none here; see the Triton attention)."""
         return None
 
@@ -265,7 +269,7 @@ class StepAttention(nn.Module):
         slots: Tensor,
         mask: Tensor,
         rows: Tensor | None,
-        meta: Tensor | None = None,
+        meta: AttentionMeta = None,
     ) -> Tensor:
         q = self.rotate_and_cache(*self.project(x), cos, sin, slots, rows)
         return self.output(self.attend(q, mask, rows, meta))

@@ -17,6 +17,7 @@ from .base import CausalLM
 from .config_fields import attention_window, require_fields
 from .layers import (
     MLP,
+    AttentionMeta,
     Collectives,
     KVCache,
     RMSNorm,
@@ -127,7 +128,7 @@ class Attention(StepAttention):
         self.kv_cache.update(slots, k, v.transpose(1, 2))
         return q
 
-    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
+    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: AttentionMeta) -> Tensor:
         bs, _, T, _ = q.shape
         k_all, v_all = self.kv_cache.read(bs, mask.shape[-1], rows)  # attend over the mask's span only
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
@@ -154,7 +155,7 @@ class DecoderLayer(nn.Module):
         slots: Tensor,
         mask: Tensor,
         rows: Tensor | None,
-        meta: Tensor | None,
+        meta: AttentionMeta,
     ) -> tuple[Tensor, Tensor]:
         """Takes the residual stream x and its normed h (this layer's input norm), returns the pair for
         the next layer: next_norm is its input norm, or the final norm. Carrying the pair lets the fused

@@ -400,8 +400,8 @@ def attention_sweep(
     a layer. Each timing runs one attention over each of `layers` caches in turn, as a forward does: one
     cache replayed alone (layers=1) stays partly in L2 (a batch-16 cache of 1200 slots is 79 MB).
     round_like: the query tokens form a random tree (each sees its ancestors) instead of a chain, the cache
-    is paged (16-slot pages in a random order across the pool) instead of one block per row, and q is a
-    view of a [batch, tokens, heads, 128] tensor, as in a round's verify."""
+    is paged (16-slot pages in a random order across the pool) instead of one block per row, q is a
+    view of a [batch, tokens, heads, 128] tensor and the cache rows are given, as in a round's verify."""
     from ..models.layers import identity_slot_map
     from . import kernels
 
@@ -433,8 +433,9 @@ def attention_sweep(
         if round_like:
             slot_map, mask = _shuffled_pages(slot_map, span, g), _tree_mask(mask, context, g)
         bounds = kernels.mask_bounds(mask)
+        cache_rows = torch.arange(batch, device=device) if round_like else None
 
-        default = partial(_attention_over_layers, q, caches, slot_map, mask, bounds)
+        default = partial(_attention_over_layers, q, caches, slot_map, mask, cache_rows, bounds)
         reference = default()
         default_ms = _device_ms(default) / layers
         knob_sets = []
@@ -467,11 +468,13 @@ def attention_sweep(
     return out
 
 
-def _attention_over_layers(q: Tensor, caches: list, slot_map: Tensor, mask: Tensor, bounds: Tensor, **knobs) -> Tensor:
+def _attention_over_layers(
+    q: Tensor, caches: list, slot_map: Tensor, mask: Tensor, rows: Tensor | None, bounds: Tensor, **knobs
+) -> Tensor:
     """kernels.attention over each layer's (k, v) cache in turn; the first layer's output."""
     from . import kernels
 
-    return [kernels.attention(q, k, v, slot_map, mask, None, bounds, **knobs) for k, v in caches][0]
+    return [kernels.attention(q, k, v, slot_map, mask, rows, bounds, **knobs) for k, v in caches][0]
 
 
 def _verify_mask(batch: int, T: int, context: int, span: int, device) -> Tensor:

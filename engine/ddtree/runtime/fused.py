@@ -145,9 +145,9 @@ class TritonAttention(FusedAttention):
     def uses_tree_attention(self, bs: int, T: int) -> bool:
         return T <= self.max_tokens
 
-    def metadata(self, mask: Tensor) -> Tensor | None:
+    def metadata(self, mask: Tensor) -> kernels.MaskMeta | None:
         bs, _, T, _ = mask.shape
-        return kernels.mask_bounds(mask) if self.uses_tree_attention(bs, T) else None
+        return kernels.mask_meta(mask) if self.uses_tree_attention(bs, T) else None
 
     def qkv(self, x: Tensor) -> Tensor:
         if x.shape[0] * x.shape[1] == 1:
@@ -175,11 +175,11 @@ class TritonAttention(FusedAttention):
             slots,
         )
 
-    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
+    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: kernels.MaskMeta | None) -> Tensor:
         bs, _, T, _ = q.shape
-        if self.uses_tree_attention(bs, T):
+        if self.uses_tree_attention(bs, T) and meta is not None:
             cache = self.kv_cache
-            return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, rows, meta)
+            return kernels.attention(q, cache.k, cache.v, cache.slot_map, meta.mask, rows, meta.bounds)
         return super().attend(q, mask, rows, meta)
 
     def output(self, out: Tensor) -> Tensor:
@@ -294,9 +294,9 @@ class TritonLatentAttention(FusedLatentAttention):
     def uses_tree_attention(self, bs: int, T: int) -> bool:
         return T <= self.max_tokens
 
-    def metadata(self, mask: Tensor) -> Tensor | None:
+    def metadata(self, mask: Tensor) -> kernels.MaskMeta | None:
         bs, _, T, _ = mask.shape
-        return kernels.mask_bounds(mask) if self.uses_tree_attention(bs, T) else None
+        return kernels.mask_meta(mask) if self.uses_tree_attention(bs, T) else None
 
     def rotate_and_cache(
         self, q: Tensor, kv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, rows: Tensor | None
@@ -307,13 +307,15 @@ class TritonLatentAttention(FusedLatentAttention):
             q, kv, q_latent, cos, sin, norm.weight, norm.eps, self.cache.latent, slots, self.interleave
         )
 
-    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: Tensor | None) -> Tensor:
+    def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: kernels.MaskMeta | None) -> Tensor:
         bs, _, T, _ = q.shape
-        if not self.uses_tree_attention(bs, T):
+        if not self.uses_tree_attention(bs, T) or meta is None:
             return super().attend(q, mask, rows, meta)
         assert self.cache is not None
-        cache = self.cache
-        return self.values(latent_attention(q, cache.latent, cache.slot_map, mask, rows, self.rank, self.scale, meta))
+        cache, mask = self.cache, meta.mask
+        return self.values(
+            latent_attention(q, cache.latent, cache.slot_map, mask, rows, self.rank, self.scale, meta.bounds)
+        )
 
 
 SWAPS: dict[str, dict[type[nn.Module], type[nn.Module]]] = {  # backend -> {reference class: its fused class}
@@ -576,8 +578,8 @@ class TritonDrafterAttention(_FusedQKV, DrafterAttention):
         parts = out.split([n * self.head_dim for n in heads], dim=-1)
         return [part.view(*out.shape[:2], n, self.head_dim) for part, n in zip(parts, heads)]
 
-    def metadata(self, mask: Tensor) -> Tensor | None:
-        return kernels.mask_bounds(mask)
+    def metadata(self, mask: Tensor) -> kernels.MaskMeta:
+        return kernels.mask_meta(mask)
 
     def append_context(self, ctx: Tensor, rope_ctx: tuple[Tensor, Tensor], ctx_slots: Tensor) -> None:
         assert self.wqkv is not None
@@ -623,9 +625,10 @@ class TritonDrafterAttention(_FusedQKV, DrafterAttention):
             blk_slots,
         )
 
-    def attend(self, q: Tensor, mask: Tensor, meta: Tensor | None) -> Tensor:
+    def attend(self, q: Tensor, mask: Tensor, meta: kernels.MaskMeta | None) -> Tensor:
         cache = self.kv_cache
-        return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, None, meta)
+        mask, bounds = (meta.mask, meta.bounds) if meta is not None else (mask, None)
+        return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, None, bounds)
 
     def output(self, out: Tensor) -> Tensor:
         parts = skinny_o(out, self.o_proj, self.tp, TritonAttention.o_skinny) if self.partial_sums else None

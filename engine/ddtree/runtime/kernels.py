@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -1265,27 +1266,59 @@ def best_first_tree(roots: Tensor, top_lp: Tensor, top_tok: Tensor, budget: int)
     return tokens, parents, node_depth, valid.bool(), visible, scores
 
 
-def attention_launch(T: int, row_programs: int, span: int) -> tuple[int, int]:
-    """(key slots per program, pipeline stages) of `attention`. Few programs along the rows (bs * KV heads
-    * row blocks) need short chunks to fill the GPU; many take long ones, which cut the partial results
-    to write and merge, down to one chunk for the whole span (no merge). Within 8 % of the fastest of
-    64..4096 slots and two or three stages on the 8B shape at 1200 of 2048 and 3000 of 4096 slots on an
-    H200 (2026-12-04, `bench.attention_sweep`; docs/engine.md, "Fused kernels"): 64 slots for a
-    one-token step at batch 1 and 128 for 9 and 16 tokens (8 row programs), 256 for 33 tokens at batch 1
-    (24), 512 for batch 4 at 33 tokens and batch 16 at one token (96-128), the whole span in three
-    stages for 9 and 16 tokens at batch 16 (128: 0.031 and 0.029 against 0.039 and 0.045 ms per layer in
-    chunks of 512), 1024 for batch 16 at 33 (384), the whole span from batch 64 (512)."""
+def attention_launch(T: int, row_programs: int, span: int) -> tuple[int, int, int]:
+    """(key slots per program, pipeline stages, keys per step) of `attention`. Few programs along the rows
+    (bs * KV heads * row blocks) need short chunks to fill the GPU; many take long ones, which cut the
+    partial results to write and merge, down to one chunk for the whole span (no merge). Within 8 % of the
+    fastest of 64..4096 slots and two or three stages on the 8B shape at 1200 of 2048 and 3000 of 4096
+    slots on an H200 (2026-12-04, `bench.attention_sweep`; docs/engine.md, "Fused kernels"): 64 slots for
+    a one-token step at batch 1 and 128 for 9 and 16 tokens (8 row programs), 256 for 33 tokens at batch 1
+    (24), 512 for batch 4 at 33 tokens and batch 16 at one token (96-128), the whole span in three stages
+    for 9 and 16 tokens at batch 16 (128: 0.031 and 0.029 against 0.039 and 0.045 ms per layer in chunks
+    of 512), the whole span from batch 64 (512). Batch 16 at 33 tokens (384) takes the whole span in three
+    stages with 32 keys a step, where 64 spill registers: 0.061 against 0.087 ms a layer for 1024 slots in
+    two stages with 64 keys (H200 and H100, 2026-12-05 and 06, the same sweep with `block_ns`; in rounds
+    too once the mask's rows are aligned: aligned_rows)."""
     if row_programs >= 512:
-        return triton.next_power_of_2(span), 2
+        return triton.next_power_of_2(span), 2, 64
     if row_programs >= 256:
-        return 1024, 2
+        return (triton.next_power_of_2(span), 3, 32) if T > 16 else (1024, 2, 64)
     if row_programs >= 128 and 1 < T <= 16:
-        return triton.next_power_of_2(span), 3
+        return triton.next_power_of_2(span), 3, 64
     if row_programs >= 64:
-        return 512, 2
+        return 512, 2, 64
     if row_programs >= 24:
-        return 256, 2
-    return (64 if T == 1 else 128), 2
+        return 256, 2, 64
+    return (64 if T == 1 else 128), 2, 64
+
+
+class MaskMeta(NamedTuple):
+    """What the attention layers of one forward share about its [bs, 1, T, span] mask: mask_bounds, and the
+    mask itself in aligned_rows."""
+
+    bounds: Tensor
+    mask: Tensor
+
+
+def mask_meta(mask: Tensor) -> MaskMeta:
+    return MaskMeta(mask_bounds(mask), aligned_rows(mask))
+
+
+def aligned_rows(mask: Tensor) -> Tensor:
+    """`mask` [bs, 1, T, span] bool with its sequence and row strides multiples of 16 bytes: itself when they
+    are, else a copy in rows padded to 16 (broadcast dimensions stay broadcast). Triton specialises the
+    attention kernels on those strides' divisibility: at 33 tokens, 32 keys a step, a span of 1505 compiled
+    to 220 registers where a span of 2048 took 164 (sm_90a), two programs an SM instead of three, and the
+    batch-16 verify's attention ran 0.092 ms a layer instead of 0.060 (H100). One copy a forward, shared
+    by its layers; a span bucket that is a multiple of 16 needs none."""
+    bs, _, T, span = mask.shape
+    if mask.stride(0) % 16 == 0 and mask.stride(2) % 16 == 0 and mask.stride(3) == 1:
+        return mask
+    batch, rows = (bs if mask.stride(0) else 1), (T if mask.stride(2) else 1)
+    padded = torch.empty(batch, 1, rows, -(-span // 16) * 16, dtype=mask.dtype, device=mask.device)
+    padded = padded[..., :span]
+    padded.copy_(mask[:batch, :, :rows])
+    return padded.expand(bs, 1, T, span)
 
 
 def mask_bounds(mask: Tensor) -> Tensor:
@@ -1338,7 +1371,7 @@ def attention(
     bounds: Tensor | None = None,
     chunk: int | None = None,
     max_rows: int = 64,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> Tensor:
@@ -1355,8 +1388,9 @@ def attention(
     slots (default: attention_launch), one program per (sequence, KV head, block of max_rows rows of its
     query heads, chunk), and a second kernel merges the chunks' softmaxes (flash-decoding); with one
     chunk for the whole span the programs write the output themselves. The mask is read as is, and only
-    past the prefix every query sees. max_rows, block_n (keys per step), num_warps and num_stages are
-    tuning knobs, kept as arguments for configuration sweeps."""
+    past the prefix every query sees (its rows best aligned: aligned_rows). max_rows, block_n (keys per
+    step), num_warps and num_stages are tuning knobs (default: attention_launch), kept as arguments for
+    configuration sweeps."""
     bs, heads, T, hd = q.shape
     kv_heads, span = k_cache.shape[0], mask.shape[-1]
     assert heads % kv_heads == 0 and span <= slot_map.shape[1] and slot_map.stride(1) == 1
@@ -1370,8 +1404,9 @@ def attention(
     block_m = min(max_rows, max(16, triton.next_power_of_2(group * T)))
     block_d = max(16, triton.next_power_of_2(hd))
     row_blocks = triton.cdiv(group * T, block_m)
-    default_chunk, default_stages = attention_launch(T, bs * kv_heads * row_blocks, span)
+    default_chunk, default_stages, default_block_n = attention_launch(T, bs * kv_heads * row_blocks, span)
     chunk, num_stages = chunk or default_chunk, num_stages or default_stages
+    block_n = block_n or default_block_n
     splits = triton.cdiv(span, chunk)
     direct = splits == 1
     # the chunks' partial softmaxes (unused when one chunk holds every key)

@@ -28,6 +28,7 @@ from ..models.config_fields import require_fields
 from ..models.deepseek_v3 import ModelConfig as MLAConfig
 from ..models.layers import (
     MLP,
+    AttentionMeta,
     Collectives,
     KVCache,
     RMSNorm,
@@ -318,7 +319,7 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(self._heads(self.k_proj, x, self.n_kv)).transpose(1, 2)
         return apply_rope(k, cos, sin), self._heads(self.v_proj, x, self.n_kv).transpose(1, 2)
 
-    def metadata(self, mask: Tensor) -> Tensor | None:
+    def metadata(self, mask: Tensor) -> AttentionMeta:
         """What the layers of one forward share about its mask (none here; see the Triton attention)."""
         return None
 
@@ -331,7 +332,7 @@ class DrafterAttention(nn.Module):
         self.kv_cache.update(blk_slots, *self._kv(x, *rope_blk))
         return apply_rope(self.q_norm(self._heads(self.q_proj, x, self.n_heads)).transpose(1, 2), *rope_blk)
 
-    def attend(self, q: Tensor, mask: Tensor, meta: Tensor | None) -> Tensor:
+    def attend(self, q: Tensor, mask: Tensor, meta: AttentionMeta) -> Tensor:
         bs, _, T, _ = q.shape
         k_all, v_all = self.kv_cache.read(bs, mask.shape[-1])
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
@@ -346,7 +347,7 @@ class DrafterAttention(nn.Module):
         blk_slots,
         ctx_slots,
         mask,
-        meta: Tensor | None = None,
+        meta: AttentionMeta = None,
     ) -> Tensor:
         if ctx is not None:  # append the new context keys/values first
             self.append_context(ctx, rope_ctx, ctx_slots)
