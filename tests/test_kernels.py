@@ -964,6 +964,52 @@ def test_bench_micro_kernels_flag_on_cpu():
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles, outside the interpreter")
+def test_the_batch_16_verify_attention_fits_three_programs_an_sm(tmp_path):
+    """The attention's launch for 33 tokens at batch 16 (32 keys a step, three stages, one chunk), with the
+    argument values a round passes once the mask's rows are aligned (aligned_rows): few enough registers
+    for three programs of 128 threads on an SM's 65,536, so that its 384 programs run in one wave of an
+    H100's or H200's 132 SMs. With the mask strides of a 1505-slot span it took 220 (two an SM)."""
+    from ddtree.runtime.kernels import _attention_partial_kernel as kernel
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = dict(H=32, GROUP=4, D=128, DIRECT=True, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, HAS_ROWS=False)
+    consts |= dict(FP32_DOT=False, PRECISION="tf32")
+    pointers = dict(map_ptr="*i32", mask_ptr="*i8", bounds_ptr="*i32", rows_ptr="*i8", acc_ptr="*fp32")
+    pointers |= dict(ml_ptr="*fp32", scale="fp32")
+    # a round's values (bench, random:qwen3-8b, batch 16, B=32): span 1505 padded to 1520 in the mask's rows
+    values = dict(T=33, span=1505, SPLITS=1, ROW_BLOCKS=3, CHUNK=2048, q_sb=135168, q_sh=4224, q_st=128)
+    values |= dict(k_sh=3113088, k_ss=128, v_sh=3113088, v_ss=128, map_sb=1506, m_sb=50160, m_st=1520, m_ss=1)
+    values |= dict(rows_s=0, o_sb=135168, o_st=4096, o_sh=128)
+    types = {
+        n: "constexpr" if n in consts else pointers.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+        for n in kernel.arg_names
+    }
+    for name, value in values.items():
+        if value == 1:  # Triton specialises ints of 1 as constants
+            types[name], consts[name] = "constexpr", 1
+    divisible = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(kernel.arg_names)
+        if types[n][0] == "*" or (types[n] == "i32" and values[n] % 16 == 0)
+    }
+    compiled = triton.compile(
+        ASTSource(kernel, types, consts, divisible),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=4, num_stages=3),
+    )
+    ptx = tmp_path / "attention.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    report = subprocess.run(
+        [str(tool("ptxas")), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull], capture_output=True, text=True
+    )
+    registers = int(report.stderr.split(" registers")[0].split()[-1])  # "Used N registers, ..."
+    assert registers * 128 * 3 <= 65536, registers
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles, outside the interpreter")
 def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
     """Ahead-of-time compilation to an sm_90 cubin (ptxas ships with triton): catches what the lenient
     interpreter lets through (types, constexpr branches), and checks bf16 stores round to nearest."""
