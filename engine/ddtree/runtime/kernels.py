@@ -1310,7 +1310,8 @@ def aligned_rows(mask: Tensor) -> Tensor:
     attention kernels on those strides' divisibility: at 33 tokens, 32 keys a step, a span of 1505 compiled
     to 220 registers where a span of 2048 took 164 (sm_90a), two programs an SM instead of three, and the
     batch-16 verify's attention ran 0.092 ms a layer instead of 0.060 (H100). One copy a forward, shared
-    by its layers; a span bucket that is a multiple of 16 needs none."""
+    by its layers (bs x T x span bytes, within the memory plan's count of one layer's attention scores);
+    a span bucket that is a multiple of 16 needs none."""
     bs, _, T, span = mask.shape
     if mask.stride(0) % 16 == 0 and mask.stride(2) % 16 == 0 and mask.stride(3) == 1:
         return mask
