@@ -177,9 +177,9 @@ class TritonAttention(FusedAttention):
 
     def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: kernels.MaskMeta | None) -> Tensor:
         bs, _, T, _ = q.shape
-        if self.uses_tree_attention(bs, T) and meta is not None:
-            cache = self.kv_cache
-            return kernels.attention(q, cache.k, cache.v, cache.slot_map, meta.mask, rows, meta.bounds)
+        if self.uses_tree_attention(bs, T):
+            cache, (mask, bounds) = self.kv_cache, kernels.mask_and_bounds(mask, meta)
+            return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, rows, bounds)
         return super().attend(q, mask, rows, meta)
 
     def output(self, out: Tensor) -> Tensor:
@@ -309,13 +309,11 @@ class TritonLatentAttention(FusedLatentAttention):
 
     def attend(self, q: Tensor, mask: Tensor, rows: Tensor | None, meta: kernels.MaskMeta | None) -> Tensor:
         bs, _, T, _ = q.shape
-        if not self.uses_tree_attention(bs, T) or meta is None:
+        if not self.uses_tree_attention(bs, T):
             return super().attend(q, mask, rows, meta)
         assert self.cache is not None
-        cache, mask = self.cache, meta.mask
-        return self.values(
-            latent_attention(q, cache.latent, cache.slot_map, mask, rows, self.rank, self.scale, meta.bounds)
-        )
+        cache, (mask, bounds) = self.cache, kernels.mask_and_bounds(mask, meta)
+        return self.values(latent_attention(q, cache.latent, cache.slot_map, mask, rows, self.rank, self.scale, bounds))
 
 
 SWAPS: dict[str, dict[type[nn.Module], type[nn.Module]]] = {  # backend -> {reference class: its fused class}
@@ -627,7 +625,7 @@ class TritonDrafterAttention(_FusedQKV, DrafterAttention):
 
     def attend(self, q: Tensor, mask: Tensor, meta: kernels.MaskMeta | None) -> Tensor:
         cache = self.kv_cache
-        mask, bounds = (meta.mask, meta.bounds) if meta is not None else (mask, None)
+        mask, bounds = kernels.mask_and_bounds(mask, meta)
         return kernels.attention(q, cache.k, cache.v, cache.slot_map, mask, None, bounds)
 
     def output(self, out: Tensor) -> Tensor:

@@ -1304,6 +1304,12 @@ def mask_meta(mask: Tensor) -> MaskMeta:
     return MaskMeta(mask_bounds(mask), aligned_rows(mask))
 
 
+def mask_and_bounds(mask: Tensor, meta: MaskMeta | None) -> tuple[Tensor, Tensor | None]:
+    """The mask and bounds an attention kernel takes: the forward's shared ones, else the mask as given
+    (the kernel computes its bounds)."""
+    return (meta.mask, meta.bounds) if meta is not None else (mask, None)
+
+
 def aligned_rows(mask: Tensor) -> Tensor:
     """`mask` [bs, 1, T, span] bool with its sequence and row strides multiples of 16 bytes: itself when they
     are, else a copy in rows padded to 16 (broadcast dimensions stay broadcast). Triton specialises the
