@@ -727,6 +727,73 @@ def skinny_sweep(device="cuda", hidden: int = 4096, inter: int = 12288) -> list[
     return out
 
 
+def _cublas_projection(x: Tensor, weight: Tensor, gate_up: bool) -> Tensor:
+    """x @ weight.T through cuBLAS (silu_mul after it for a [gate | up] weight): skinny_rows_sweep's baseline."""
+    from . import kernels
+
+    return kernels.silu_mul(x @ weight.T) if gate_up else x @ weight.T
+
+
+def skinny_rows_sweep(device="cuda", rows: int = 144, hidden: int = 4096, inter: int = 12288) -> list[dict]:
+    """kernels.skinny_linear over row tiles of 64 against cuBLAS at `rows` rows (144: a batch-16 B=8 verify)
+    for each projection of the Qwen3-8B shape (q/k/v, o, gate/up with silu_mul, down), timed in CUDA graphs
+    that cycle through 8 copies of the weight so that L2 holds none: cuBLAS and the four fastest of up to
+    48 configurations (block_n, block_k, K splits, warps, stages), with the copy-bandwidth time."""
+    from . import kernels
+
+    kernels.SKINNY_MAX_ROWS = max(kernels.SKINNY_MAX_ROWS, rows)
+    seconds_per_byte = 1 / copy_bandwidth(device)
+
+    def timed(fns: list) -> float:
+        for fn in fns:
+            fn()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(3):
+                for fn in fns:
+                    fn()
+        return median_replay_ms(graph, 7) / (3 * len(fns))
+
+    projections = {"qkv": (6144, hidden, False), "o": (hidden, hidden, False), "gate_up": (inter, hidden, True)}
+    projections["down"] = (hidden, inter, False)
+    out = []
+    for name, (n, k, gate_up) in projections.items():
+        shape = (2 * n if gate_up else n, k)
+        weights = [torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        cublas = [partial(_cublas_projection, x, w, gate_up) for w in weights]
+        reference = cublas[0]().float()
+        timings: list[tuple[float, tuple]] = []
+        for config in itertools.product(
+            (32, 64, 128) if gate_up else (64, 128), (64, 128), (1,) if gate_up else (1, 2, 4), (4, 8), (3, 4)
+        ):
+            if not kernels.skinny_applies(rows, n, k, config, torch.bfloat16):
+                continue
+            fns = [partial(kernels.skinny_linear, x, w, config, gate_up=gate_up) for w in weights]
+            try:
+                y = fns[0]().float()
+                torch.testing.assert_close(y.sum(0) if config[2] > 1 else y, reference, atol=3e-2, rtol=3e-2)
+                timings.append((timed(fns), config))
+            except Exception as exc:  # a configuration that does not fit this GPU: skipped
+                if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                    raise
+        timings.sort()
+        out.append(
+            {
+                "rows": rows,
+                "proj": name,
+                "bound_ms": round(weights[0].numel() * 2 * seconds_per_byte * 1000, 4),
+                "cublas_ms": round(timed(cublas), 4),
+                "best": [[round(ms, 4), list(config)] for ms, config in timings[:4]],
+            }
+        )
+        print(json.dumps(out[-1]), flush=True)
+        del weights
+    return out
+
+
 def load_time(folder, device, dtype, rank: int = 0, world: int = 1) -> dict:
     """Seconds and peak host memory of loading a checkpoint folder as rank `rank` of `world` (each rank reads
     only its slices: loading needs no process group, so the ranks can be timed one after another)."""
