@@ -250,13 +250,12 @@ if triton is not None:
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice, for BLOCK_N rows of w and
-        # BLOCK_M rows of x. The row tile is the fastest grid axis: a weight tile's row tiles run side by
-        # side and read it from HBM once, from L2 after that. With GATE_UP, w is [gate | up] (up_off
-        # elements apart) and the program writes silu(gate) * up for its columns
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        split = tl.program_id(2)
+        # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice, for BLOCK_N rows of w and all
+        # M (<= BLOCK_M) rows of x: each weight tile is read once and meets every row. With GATE_UP, w is
+        # [gate | up] (up_off elements apart) and the program writes silu(gate) * up for its columns
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
         kk = split * K_SPLIT + tl.arange(0, BLOCK_K)
         x_tile = x_ptr + m[:, None] * x_s + kk[None, :]
         w_tile = w_ptr + n[None, :].to(tl.int64) * w_sn + kk[:, None]  # [BLOCK_K, BLOCK_N], w transposed
@@ -1202,8 +1201,7 @@ def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, i
         config,
     )
     out = torch.empty(splits, rows, n_out, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
-    block_m = skinny_block_m(rows)
-    _skinny_linear_kernel[(triton.cdiv(rows, block_m), n_out // block_n, splits)](
+    _skinny_linear_kernel[(n_out // block_n, splits)](
         x2,
         weight,
         out,
@@ -1214,7 +1212,7 @@ def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, i
         out.stride(0),
         n_out * weight.stride(0),
         K_SPLIT=k // splits,
-        BLOCK_M=block_m,
+        BLOCK_M=skinny_block_m(rows),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GATE_UP=gate_up,
