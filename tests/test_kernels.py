@@ -1234,34 +1234,43 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
 # ---- compiled, on a GPU --------------------------------------------------------------------------
 
 
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_kernels_equal_the_reference(dtype):
+def compiled_qk_norm_rope_kv(dtype):
     for case in QK_CASES + [(17, 32, 8, 128)]:
         for norm in (False, True):
             check_qk_norm_rope_kv("cuda", dtype, norm, *case)
+
+
+def compiled_elementwise(dtype):
     for inter in (20, 1500, 12288):
         check_silu_mul("cuda", dtype, inter)
     for n in (48, 300, 4096):
         check_add_rms_norm("cuda", dtype, n)
+
+
+def compiled_gemv(dtype):
     for case in GEMV_CASES + [
         (6144, 4096, False, True, None),
         (4096, 12288, True, False, None),
         (1000, 700, True, False, None),
     ]:
         check_gemv("cuda", dtype, *case)
+
+
+def compiled_skinny_linear(dtype):
     for case in SKINNY_CASES + [
         (33, 4096, 4096, TritonAttention.o_skinny, False),
         (17, 12288, 4096, TritonMLP.gate_up_skinny, True),
     ]:
         check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
-    check_best_first_tree("cuda")
+
+
+def compiled_rows_and_slots(dtype):
     check_row_logsumexp("cuda", dtype)
     check_row_top_logprobs("cuda", dtype)
-    check_walk("cuda")
     check_move_slots("cuda", dtype)
-    check_mask_bounds("cuda")
+
+
+def compiled_latent(dtype):
     check_latent_rope_cache("cuda", dtype, LATENT_ROPE_CASES + [(64, 128, 64, 512, 33, True)])
     check_latent_attention(
         "cuda",
@@ -1273,6 +1282,9 @@ def test_compiled_kernels_equal_the_reference(dtype):
             (2, 64, 9, 512, 64, 700, False, True),  # all 64 heads on one GPU
         ],
     )
+
+
+def compiled_attention(dtype):
     check_attention(
         "cuda",
         dtype,
@@ -1284,6 +1296,37 @@ def test_compiled_kernels_equal_the_reference(dtype):
             (2, 9, 3, 129, 64, 1200, False, False),
         ],
     )
+
+
+# one case a kernel family, so that a failure names its family and a time limit keeps what passed before it
+COMPILED_FAMILIES = {
+    f.__name__.removeprefix("compiled_"): f
+    for f in (
+        compiled_qk_norm_rope_kv,
+        compiled_elementwise,
+        compiled_gemv,
+        compiled_skinny_linear,
+        compiled_rows_and_slots,
+        compiled_latent,
+        compiled_attention,
+    )
+}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("family", list(COMPILED_FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_kernels_equal_the_reference(dtype, family):
+    COMPILED_FAMILIES[family](dtype)
+
+
+@gpu
+@needs_cuda
+def test_compiled_tree_kernels_equal_the_reference():
+    check_best_first_tree("cuda")
+    check_walk("cuda")
+    check_mask_bounds("cuda")
 
 
 @gpu
