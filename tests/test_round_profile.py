@@ -128,9 +128,9 @@ def test_the_phase_table_names_each_phase_and_its_heaviest_kernel():
     assert split["phases"]["draft"]["heaviest"] == [["gemm", 0.03, 1.0], ["norm", 0.008, 2.0]]
     for phase in split["phases"].values():
         phase["floor_ms"] = 0.01
-    row = {"method": "ddtree", "budget": 8, "batch": 1, "host_ms_per_round": 0.1}
+    row = {"method": "ddtree", "budget": 8, "batch": 1, "host_timed_minus_replay_ms": 0.1}
     row["graph_phases"] = {**split, "replay_ms": 0.15, "floor_ms": 0.03}
     table = phase_markdown([row])
     assert "| ddtree | 8 | 1 | draft | 3.0 | 0.038 | 0.008 | 0.01 | `gemm` 0.03 |" in table
     assert "| ddtree | 8 | 1 | commit | 0.0 | 0.0 | 0.002 | 0.01 | `` 0 |" in table
-    assert "| ddtree | 8 | 1 | **round** | | 0.15 (replay) | 0.1 (host) | 0.03 | |" in table
+    assert "| ddtree | 8 | 1 | **round** | | 0.15 (replay) | 0.1 (host timed − replay) | 0.03 | |" in table
