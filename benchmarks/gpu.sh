@@ -14,7 +14,7 @@
 #            drafter: cost only), every request a 1000-token system prompt plus a user turn of 50..300 tokens
 # budget-auto (not in the default set) the same load for ddtree with --budget auto against budgets 8, 16, 32,
 #            64 and the per-batch-size policy of the smollm2 part
-# gpu-tests  the tests marked gpu
+# gpu-tests  the tests marked gpu (DDTREE_GPU_TESTS: which test files or ids, to split a run over calls)
 # prefix-cache (not in the default set) the agentic workload with and without prefix reuse: `ddtree serve` of
 #            the Qwen3-8B shape (random weights, ddtree B=8, 16 rows), a 2000-token system prompt shared by every
 #            request, user turns of 50..300 tokens, Poisson arrivals at 2 and 4 requests/s, 64 new tokens each;
@@ -278,10 +278,11 @@ for n in (23, 57, 90, 131, 175, 256, 301, 402, 517, 640, 777, 900, 1100, 1300, 1
       done ;;
     gpu-tests)
       log "gpu-tests"
-      $PY -m pytest -q -ra -m gpu tests/test_kernels.py tests/test_graphs.py tests/test_round_profile.py \
-        tests/test_moe_kernels.py tests/test_qwen3_moe.py tests/test_deepseek_v3.py tests/test_train.py \
-        tests/test_quant_kernels.py tests/test_quantized_models.py tests/test_memory.py \
-        2>&1 | tee "$OUT_DIR/gpu-tests.log" ;;
+      tests=(tests/test_kernels.py tests/test_graphs.py tests/test_round_profile.py tests/test_moe_kernels.py
+        tests/test_qwen3_moe.py tests/test_deepseek_v3.py tests/test_train.py tests/test_quant_kernels.py
+        tests/test_quantized_models.py tests/test_memory.py)
+      if [[ -n ${DDTREE_GPU_TESTS:-} ]]; then read -r -a tests <<< "$DDTREE_GPU_TESTS"; fi
+      $PY -m pytest -q -ra -m gpu "${tests[@]}" 2>&1 | tee "$OUT_DIR/gpu-tests.log" ;;
     kernels)
       log "kernels: Triton against PyTorch, 8B shape"
       ddtree bench --model random:qwen3-8b --micro --kernels both --methods "" --batch-sizes 1 --graphs on \
