@@ -415,6 +415,26 @@ def check_row_top_logprobs(device, dtype):
             torch.testing.assert_close(lp.cpu(), want_lp, atol=2e-5, rtol=2e-6)
 
 
+def check_row_argmax(device, dtype):
+    """Each row's argmax in one read equals torch's (the first of equal values): vocabularies shorter than
+    a chunk and not a multiple of it, a row of many exact ties, an all -inf row, the largest value in the
+    last chunk; and the first row of each group's largest value."""
+    from ddtree.runtime.kernels import row_argmax
+
+    g = torch.Generator().manual_seed(9)
+    for shape, chunk in (((2, 3, 151936), 4096), ((3, 2, 5000), 256), ((2, 4, 33), 4096), ((1, 5, 7), 4096)):
+        x = (torch.randn(*shape, generator=g) * 4).to(dtype)
+        rows = x.view(-1, shape[-1])
+        rows[1] = rows[1].round()  # integers: ties between chunks and inside them
+        rows[2] = float("-inf")
+        rows[-1, -1] = 50.0  # in the last, partial chunk
+        assert torch.equal(row_argmax(x.to(device), chunk=chunk).cpu(), x.argmax(-1)), shape
+        first_max = torch.full(shape[:1], -1.0, device=device)
+        got = row_argmax(x.to(device), first_max, chunk=chunk)
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), x.argmax(-1)), shape
+        assert torch.equal(first_max.cpu(), x[:, 0].amax(-1).float()), shape
+
+
 def check_walk(device):
     """The one-launch walk equals verify.walk field for field: DDTree trees with padding (fewer prefixes
     than the budget), one of them cut by Tree.prefix (strided views), chains (dflash), the root alone
@@ -448,6 +468,56 @@ def check_walk(device):
         got = walk_kernel(*t, max_depth)
         for field, value in zip(("path", "accepted", "bonus", "emitted"), got):
             assert torch.equal(value.cpu(), getattr(want, field)), (case, field)
+
+
+def check_commit_path(device):
+    """The one-launch bookkeeping of a walk equals the round's tensor ops: lengths advance on active rows
+    only, bonus, readout (accepted, then emitted; the forecast columns past them untouched) and the staged
+    count, and the physical slots of the path and of its destinations through the slot map (an inactive
+    row's all the trash slot), with and without moves and staging."""
+    from ddtree.runtime.kernels import commit_path
+
+    g = torch.Generator().manual_seed(13)
+    bs, d1, slots = 4, 6, 40
+    slot_map = torch.randperm((bs + 1) * (slots + 1), generator=g).view(bs + 1, slots + 1).int()  # one row spare
+    trash = slots
+    for moves, staged in itertools.product((False, True), (False, True)):
+        path = torch.sort(torch.randint(0, 12, (bs, d1), generator=g), dim=1).values
+        path[:, 0] = 0
+        accepted = torch.randint(1, d1 + 1, (bs,), generator=g)
+        bonus, emitted = torch.randint(0, 99, (bs,), generator=g), torch.randint(0, 99, (bs, d1), generator=g)
+        lengths = torch.randint(0, slots - 12, (bs,), generator=g)
+        active = torch.tensor([True, False, True, True])
+        readout = torch.randint(0, 99, (bs, d1 + 3), generator=g)
+        ctx_count = torch.full((bs,), -1)
+        bonus_out = torch.full((bs,), -1)
+        want_readout = readout.clone()
+        want_readout[:, 0], want_readout[:, 1 : d1 + 1] = accepted, emitted
+        live = active[:, None]
+        want_src = slot_map[:bs].gather(1, torch.where(live, lengths[:, None] + path, trash))
+        want_dst = slot_map[:bs].gather(1, torch.where(live, lengths[:, None] + torch.arange(d1), trash))
+        want_lengths = torch.where(active, lengths + accepted, lengths)
+        on = [t.to(device) for t in (lengths, readout, ctx_count, bonus_out)]
+        moved = commit_path(
+            *(t.to(device) for t in (path, accepted, bonus, emitted)),
+            on[0],
+            active.to(device),
+            slot_map.to(device),
+            trash,
+            on[3],
+            on[1],
+            on[2] if staged else None,
+            moves,
+        )
+        case = (moves, staged)
+        assert torch.equal(on[0].cpu(), want_lengths), case
+        assert torch.equal(on[1].cpu(), want_readout), case
+        assert torch.equal(on[2].cpu(), accepted if staged else ctx_count), case
+        assert torch.equal(on[3].cpu(), bonus), case
+        if moves:
+            assert moved is not None and torch.equal(moved[0].cpu(), want_src) and torch.equal(moved[1].cpu(), want_dst)
+        else:
+            assert moved is None
 
 
 ATTENTION_CASES = [  # (bs, heads, kv_heads, T, head_dim, span, rows given, mask broadcast over the batch)
@@ -785,8 +855,19 @@ def test_row_top_logprobs(dtype):
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax(dtype):
+    check_row_argmax("cpu", dtype)
+
+
+@interp
 def test_walk():
     check_walk("cpu")
+
+
+@interp
+def test_commit_path():
+    check_commit_path("cpu")
 
 
 @interp
@@ -1078,6 +1159,16 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
                 4,
             )
         compile_(K._row_logsumexp_kernel, dtype, dict(out_ptr="*fp32"), dict(N=151936, BLOCK=2048), 8)
+        compile_(K._row_max_chunk_kernel, dtype, dict(max_ptr="*fp32", idx_ptr="*i32"), dict(V=151936, CHUNK=4096), 8)
+        if dtype == "fp32":
+            for first in (False, True):
+                compile_(
+                    K._row_max_merge_kernel,
+                    dtype,
+                    dict(idx_ptr="*i32", out_ptr="*i64", T="i32"),
+                    dict(CHUNKS=38, C_PAD=64, FIRST=first),
+                    1,
+                )
         if dtype == "fp32":
             pointers = ("tok", "par", "dep", "dec", "path", "accepted", "bonus", "emitted")
             compile_(
@@ -1093,12 +1184,24 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
                 dict(N_PAD=64, D_PAD=16),
                 1,
             )
+            for moves in (False, True):
+                compile_(
+                    K._commit_path_kernel,
+                    dtype,
+                    {
+                        **{n: "*i64" for n in K._commit_path_kernel.arg_names if n.endswith("_ptr")},
+                        **dict(active_ptr="*i8", slot_map_ptr="*i32", src_ptr="*i32", dst_ptr="*i32"),
+                        **dict(trash="i32", D1="i32"),
+                    },
+                    dict(D_PAD=16, MOVES=moves, STAGED=True),
+                    1,
+                )
         kp = 32 if dtype == "bf16" else 64  # a usual budget's; row_top_applies' largest
         compile_(
             K._row_top_chunk_kernel,
             dtype,
             dict(keys_ptr="*i64", ml_ptr="*fp32"),
-            dict(V=151936, CHUNK=4096, KP=kp, GROUP=K.row_top_group(4096, kp)),
+            dict(V=151936, CHUNK=4096, KP=kp, GROUP=K.row_top_group(4096, kp), KEY16=dtype == "bf16"),
             8,
         )
         if dtype == "fp32":
@@ -1267,6 +1370,7 @@ def compiled_skinny_linear(dtype):
 def compiled_rows_and_slots(dtype):
     check_row_logsumexp("cuda", dtype)
     check_row_top_logprobs("cuda", dtype)
+    check_row_argmax("cuda", dtype)
     check_move_slots("cuda", dtype)
 
 
@@ -1326,6 +1430,7 @@ def test_compiled_kernels_equal_the_reference(dtype, family):
 def test_compiled_tree_kernels_equal_the_reference():
     check_best_first_tree("cuda")
     check_walk("cuda")
+    check_commit_path("cuda")
     check_mask_bounds("cuda")
 
 

@@ -35,9 +35,9 @@ from ..speculative.compat import method_problem
 from ..speculative.dflash2 import DFlash2Drafter
 from ..speculative.drafter import DFlashDrafter, DrafterMismatchError
 from ..speculative.tree import Tree, build_chain, chain, expected_accepted, root_only
-from ..speculative.verify import RowSampling, decide, processed_probs, tree_mask
+from ..speculative.verify import RowSampling, Walk, decide, processed_probs, tree_mask
 from .budget import BudgetController
-from .fused import cache_compactor, tree_builder, tree_walker, use_backend, use_drafter_backend
+from .fused import greedy_reader, path_committer, tree_builder, tree_walker, use_backend, use_drafter_backend
 from .graphs import default_span_buckets
 from .pages import PAGE_SIZE, OutOfPages, PagePool
 from .plan import (
@@ -162,7 +162,8 @@ class Engine:
             use_backend(target, "torch")
         self.build_ddtree = tree_builder(target.backend)  # the Triton heap or the tensorised build
         self.walk = tree_walker(target.backend)  # the accepted path: the tensorised walk or one Triton launch
-        self.compact = cache_compactor(target)  # the accepted path's cache slots to the committed text
+        self.fused_commit = path_committer(target)  # commit_path in two Triton launches, or None
+        self.read_greedy = greedy_reader(target.backend)  # the verify's argmax and root max, in one read
         # the caches' pages (runtime/pages.py): by default every row can hold max_seq_len tokens at once
         row_pages = -(-self.max_slots // PAGE_SIZE)
         pages = max_batch_size * row_pages if kv_cache_tokens is None else -(-kv_cache_tokens // PAGE_SIZE)
@@ -697,31 +698,46 @@ class Engine:
         slots = torch.where(live, lengths[:, None] + torch.arange(tree.size, device=dev), self.target.trash_slot)
         mask = tree_mask(lengths, tree.visible, span)
         logits, taps = self.target(tree.tokens, lengths[:, None] + tree.depth, slots, mask, self.tap_layers)
-        self.root_max_logit[:n].copy_(logits[:, 0].amax(-1))
-        decisions = decide(logits, self.sampling[:n], self.generator, sampling)
+        greedy = self.read_greedy(logits, self.root_max_logit[:n])
+        decisions = decide(logits, self.sampling[:n], self.generator, sampling, greedy)
         self._mark("verify")
         w = self.walk(tree, decisions, self.max_depth)
         self._mark("walk")
         if self.path_logits is not None:
             path = w.path[..., None].expand(-1, -1, logits.shape[-1])
             self.path_logits[:n].copy_(torch.gather(logits, 1, path)[..., : self.path_logits.shape[-1]])
-        if self.max_depth > 0 and tree.size > 1:
-            steps = torch.arange(self.max_depth + 1, device=dev)
-            trash = self.target.trash_slot
-            self.compact(
-                torch.where(live, lengths[:, None] + w.path, trash), torch.where(live, lengths[:, None] + steps, trash)
-            )
         if taps is not None:
             if tree.size == 1:  # a round without a draft: the path is the root, the staged context one token
                 self.ctx_features[:n, :1].copy_(taps)
             else:
-                self.ctx_features[:n].copy_(torch.gather(taps, 1, w.path[..., None].expand(-1, -1, taps.shape[-1])))
-            self.ctx_count[:n].copy_(w.accepted)
+                path = w.path[..., None].expand(-1, -1, taps.shape[-1])
+                torch.gather(taps, 1, path, out=self.ctx_features[:n])
+        self.commit_path(n, w, moves=self.max_depth > 0 and tree.size > 1, staged=taps is not None)
+        self._mark("commit")
+
+    def commit_path(self, n: int, w: Walk, moves: bool, staged: bool) -> None:
+        """The walk's outcome into rows [0, n)'s state: with `moves` the accepted path's cache slots go to
+        the committed positions (inactive rows move their trash slot); with `staged` the count of staged
+        context features is the accepted count; active rows' lengths advance; the bonus and the readout
+        (accepted count, emitted tokens) are the walk's. Under the Triton backend: two launches
+        (fused.path_committer)."""
+        lengths, active = self.lengths[:n], self.active[:n]
+        ctx_count = self.ctx_count[:n] if staged else None
+        if self.fused_commit is not None:
+            self.fused_commit(w, lengths, active, self.bonus[:n], self.readout[:n], ctx_count, moves)
+            return
+        if moves:
+            live, trash = active[:, None], self.target.trash_slot
+            steps = torch.arange(self.max_depth + 1, device=self.device)
+            self.target.compact(
+                torch.where(live, lengths[:, None] + w.path, trash), torch.where(live, lengths[:, None] + steps, trash)
+            )
+        if ctx_count is not None:
+            ctx_count.copy_(w.accepted)
         lengths.copy_(torch.where(active, lengths + w.accepted, lengths))
         self.bonus[:n].copy_(w.bonus)
         self.readout[:n, 0].copy_(w.accepted)
         self.readout[:n, 1 : self.max_depth + 2].copy_(w.emitted)
-        self._mark("commit")
 
     def _mark(self, phase: str) -> None:
         """A phase boundary: with `phase_events` (eager rounds) a timing event; with `phase_markers` (a graph

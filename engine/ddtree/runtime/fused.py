@@ -682,14 +682,45 @@ def build_ddtree_triton(roots: Tensor, draft_logits: Tensor, budget: int) -> Tre
     return Tree(*kernels.best_first_tree(roots, top_lp, top_tok, budget))
 
 
-def cache_compactor(target: Transformer) -> Callable[[Tensor, Tensor], None]:
-    """The target's `compact` (slots src [bs, n] to dst [bs, n] in every layer), in one Triton launch
-    (kernels.move_slots) when the target runs the Triton backend."""
+def path_committer(target: Transformer) -> Callable[..., None] | None:
+    """Under the Triton backend, the round's bookkeeping of its walk in two launches: kernels.commit_path
+    (lengths, bonus, readout, staged count and the path's physical slots), then kernels.move_slots (the
+    accepted path's cache slots to the committed positions, in every layer). None for the other backends:
+    Engine.commit_path's tensor ops and the target's `compact`."""
     if target.backend != "triton":
-        return target.compact
-    return lambda src, dst: kernels.move_slots(
-        target.slot_storage(), target.physical_slots(src), target.physical_slots(dst)
-    )
+        return None
+
+    def commit(
+        w: Walk,
+        lengths: Tensor,
+        active: Tensor,
+        bonus: Tensor,
+        readout: Tensor,
+        ctx_count: Tensor | None,
+        moves: bool,
+    ) -> None:
+        fields = (w.path, w.accepted, w.bonus, w.emitted)
+        moved = kernels.commit_path(
+            *fields, lengths, active, target.slot_map, target.trash_slot, bonus, readout, ctx_count, moves
+        )
+        if moved is not None:
+            kernels.move_slots(target.slot_storage(), *moved)
+
+    return commit
+
+
+def greedy_reader(backend: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """The verify's one read of its logits [bs, N, V]: the argmax at every node [bs, N] (the greedy
+    decisions), with each row's largest root logit written into root_max [bs]. Under the Triton backend one
+    pass (kernels.row_argmax); else torch's argmax and a max of the roots."""
+    if backend == "triton":
+        return kernels.row_argmax
+
+    def read(logits: Tensor, root_max: Tensor) -> Tensor:
+        root_max.copy_(logits[:, 0].amax(-1))
+        return logits.argmax(-1)
+
+    return read
 
 
 def tree_walker(backend: str) -> Callable[[Tree, Tensor, int], Walk]:

@@ -10,8 +10,8 @@ replace them:
 
 and, for a batch-1 decode step, `gemv` replaces cuBLAS's split-K GEMMs for one row (with silu_mul folded
 into the down projection). `attention` (with `mask_bounds`, once per forward), `best_first_tree`
-(with `row_top_logprobs` for few rows), `walk` and `move_slots` replace SDPA over the tree mask and the
-many small kernels of the DDTree tree, the walk and the commit. For 2-64 rows (a verify
+(with `row_top_logprobs` for few rows), `walk`, `commit_path` and `move_slots` replace SDPA over the tree
+mask and the many small kernels of the DDTree tree, the walk and the commit. For 2-64 rows (a verify
 forward), `skinny_linear` runs the o projection (as K-split partial products that add_rms_norm sums) and
 the gate/up projection (with silu_mul folded in) closer to the HBM bound than cuBLAS does.
 
@@ -691,8 +691,9 @@ if triton is not None:
         total = tl.sum(s * tl.exp(m - top), axis=0)
         tl.store(out_ptr + row, top + tl.log(total))
 
-    # packed key of a position past the row's end: below every value's, -inf's too
+    # packed key of a position past the row's end: below every value's, -inf's too (64 and 32 bits)
     _KEY_PAD = tl.constexpr(-(2**63))
+    _KEY16_PAD = tl.constexpr(-(2**31))
 
     @triton.constexpr_function
     def _log2(n):
@@ -742,30 +743,67 @@ if triton is not None:
         return tl.where(live, (ordered << 32) | (4294967295 - n.to(tl.int64)), _KEY_PAD)
 
     @triton.jit
+    def _order_keys16(x, i, live):
+        # int32 keys of 16-bit values that order like (value, -i) for indices i < 65536 inside a chunk: the
+        # value's 16 bits made order-preserving above, 65535 - i below. Half the width of _order_keys, for
+        # the sorts of bf16 and fp16 logits
+        bits = tl.where(x == 0.0, tl.zeros_like(x), x).to(tl.int16, bitcast=True).to(tl.int32)  # -0.0 ties +0.0
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFF)
+        return tl.where(live, (ordered << 16) | (65535 - i), _KEY16_PAD)
+
+    @triton.jit
     def _row_top_chunk_kernel(
-        x_ptr, keys_ptr, ml_ptr, x_s, V: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr
+        x_ptr,
+        keys_ptr,
+        ml_ptr,
+        x_s,
+        V: tl.constexpr,
+        CHUNK: tl.constexpr,
+        KP: tl.constexpr,
+        GROUP: tl.constexpr,
+        KEY16: tl.constexpr,
     ):
         # program (row, chunk): the chunk's max, sum of exp(x - max) and top KP entries as _order_keys. With
         # GROUP > 1 the sort is of the maxima of the chunk's runs of GROUP entries, then of the entries of
         # the KP runs with the largest: the top KP lie in those (keys are distinct: an entry of another run
-        # would have KP runs' maxima above it). V, the vocabulary, is a model's constant
+        # would have KP runs' maxima above it). KEY16 (16-bit logits): the sorts are of _order_keys16 over
+        # indices in the chunk, and only the top KP become _order_keys. V, the vocabulary, is a model's
+        # constant
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
         out = row * tl.num_programs(1) + chunk
-        n = chunk * CHUNK + tl.arange(0, CHUNK)
+        i = tl.arange(0, CHUNK)
+        n = chunk * CHUNK + i
         live = n < V
-        x = tl.load(x_ptr + row * x_s + n, mask=live, other=float("-inf")).to(tl.float32)
+        raw = tl.load(x_ptr + row * x_s + n, mask=live, other=float("-inf"))
+        x = raw.to(tl.float32)
         m = tl.max(x, axis=0)
         s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-        key = _order_keys(x, n, live)
+        if KEY16:
+            key = _order_keys16(raw, i, live)
+        else:
+            key = _order_keys(x, n, live)
         if GROUP > 1:
             best = _top(tl.max(tl.reshape(key, [CHUNK // GROUP, GROUP]), axis=1), KP)
-            first = ((4294967295 - (best & 4294967295)) // GROUP) * GROUP  # past V for a run of padding
-            n = tl.reshape(first[:, None] + tl.arange(0, GROUP)[None, :], [KP * GROUP])
-            live = n < V
-            x = tl.load(x_ptr + row * x_s + n, mask=live, other=float("-inf")).to(tl.float32)
-            key = _order_keys(x, n, live)
-        tl.store(keys_ptr + out * KP + tl.arange(0, KP), _top(key, KP))
+            if KEY16:
+                first = ((65535 - (best & 65535)) // GROUP) * GROUP  # past the chunk for a run of padding
+            else:
+                first = ((4294967295 - (best & 4294967295)) // GROUP) * GROUP - chunk * CHUNK  # past V: padding
+            i = tl.reshape(first[:, None] + tl.arange(0, GROUP)[None, :], [KP * GROUP])
+            n = chunk * CHUNK + i
+            live = (i < CHUNK) & (n < V)
+            raw = tl.load(x_ptr + row * x_s + n, mask=live, other=float("-inf"))
+            if KEY16:
+                key = _order_keys16(raw, i, live)
+            else:
+                key = _order_keys(raw.to(tl.float32), n, live)
+        top = _top(key, KP)
+        if KEY16:  # back to the merge's int64 keys: the same order
+            ordered = top >> 16
+            bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFF).to(tl.int16)
+            value = bits.to(raw.dtype, bitcast=True).to(tl.float32)
+            top = _order_keys(value, chunk * CHUNK + 65535 - (top & 65535), top != _KEY16_PAD)
+        tl.store(keys_ptr + out * KP + tl.arange(0, KP), top)
         tl.store(ml_ptr + 2 * out, m)
         tl.store(ml_ptr + 2 * out + 1, s)
 
@@ -852,6 +890,80 @@ if triton is not None:
         tl.store(accepted_ptr + b, accepted)
         tl.store(bonus_ptr + b, bonus)
 
+    @triton.jit
+    def _row_max_chunk_kernel(x_ptr, max_ptr, idx_ptr, x_s, V: tl.constexpr, CHUNK: tl.constexpr):
+        # program (row, chunk): the chunk's largest value and the index of its first occurrence
+        row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        n = chunk * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + row * x_s + n, mask=n < V, other=float("-inf")).to(tl.float32)
+        m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        out = row * tl.num_programs(1) + chunk
+        tl.store(max_ptr + out, m)
+        tl.store(idx_ptr + out, chunk * CHUNK + i)
+
+    @triton.jit
+    def _row_max_merge_kernel(
+        max_ptr, idx_ptr, out_ptr, first_max_ptr, T, CHUNKS: tl.constexpr, C_PAD: tl.constexpr, FIRST: tl.constexpr
+    ):
+        # program (row): the first chunk holding the row's largest value gives its index; with FIRST, the
+        # first row of each group of T rows writes its largest value
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, C_PAD)
+        m = tl.load(max_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
+        best, first = tl.max(m, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(out_ptr + row, tl.load(idx_ptr + row * CHUNKS + first).to(tl.int64))
+        if FIRST:
+            if row % T == 0:
+                tl.store(first_max_ptr + row // T, best)
+
+    @triton.jit
+    def _commit_path_kernel(
+        path_ptr,
+        accepted_ptr,
+        bonus_ptr,
+        emitted_ptr,
+        lengths_ptr,
+        active_ptr,
+        slot_map_ptr,
+        bonus_out_ptr,
+        readout_ptr,
+        ctx_count_ptr,
+        src_ptr,
+        dst_ptr,
+        trash,
+        D1,
+        path_s,
+        emitted_s,
+        readout_s,
+        map_s,
+        D_PAD: tl.constexpr,
+        MOVES: tl.constexpr,
+        STAGED: tl.constexpr,
+    ):
+        # program (row): the round's bookkeeping of the row's walk. With MOVES, the physical slots of the
+        # path's nodes (src) and of the committed positions they move to (dst), both the trash slot for an
+        # inactive row, read at the row's length before this program advances it
+        b = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, D_PAD)
+        live = d < D1
+        accepted = tl.load(accepted_ptr + b)
+        length = tl.load(lengths_ptr + b)
+        active = tl.load(active_ptr + b) != 0
+        if MOVES:
+            path = tl.load(path_ptr + b * path_s + d, mask=live, other=0)
+            src = tl.where(active, length + path, trash)
+            dst = tl.where(active, length + d, trash)
+            tl.store(src_ptr + b * D1 + d, tl.load(slot_map_ptr + b * map_s + src, mask=live), mask=live)
+            tl.store(dst_ptr + b * D1 + d, tl.load(slot_map_ptr + b * map_s + dst, mask=live), mask=live)
+        if STAGED:
+            tl.store(ctx_count_ptr + b, accepted)
+        tl.store(lengths_ptr + b, tl.where(active, length + accepted, length))
+        tl.store(bonus_out_ptr + b, tl.load(bonus_ptr + b))
+        tl.store(readout_ptr + b * readout_s, accepted)
+        emitted = tl.load(emitted_ptr + b * emitted_s + d, mask=live)
+        tl.store(readout_ptr + b * readout_s + 1 + d, emitted, mask=live)
+
 
 def move_slots(storage: Tensor, src: Tensor, dst: Tensor, block_d: int = 128) -> None:
     """A model's `compact` in one launch: in every plane (layer, k/v) and head of storage [planes, heads,
@@ -926,6 +1038,96 @@ def walk(
     return path, accepted, bonus, emitted
 
 
+def commit_path(
+    path: Tensor,
+    accepted: Tensor,
+    bonus: Tensor,
+    emitted: Tensor,
+    lengths: Tensor,
+    active: Tensor,
+    slot_map: Tensor,
+    trash: int,
+    bonus_out: Tensor,
+    readout: Tensor,
+    ctx_count: Tensor | None,
+    moves: bool,
+) -> tuple[Tensor, Tensor] | None:
+    """A round's bookkeeping of its walk (path [bs, D + 1], accepted [bs], bonus [bs], emitted [bs, D + 1])
+    in one launch, one program per row: lengths [bs] advance by the accepted count where active [bs]
+    (bool); bonus_out [bs] takes the bonus; readout [bs, >= D + 2] takes accepted, then emitted;
+    ctx_count [bs], when given, takes accepted. With `moves`, returns the physical slots (int32 [bs, D + 1],
+    through slot_map [>= bs, slots]) of the path's nodes and of the committed positions they move to, at
+    the lengths before the advance, the logical `trash` slot for inactive rows: move_slots' src and dst.
+    Where the tensor ops took about 15 small kernels per round."""
+    bs, d1 = path.shape
+    assert all(t.stride(-1) == 1 for t in (path, emitted, readout, slot_map)) and readout.shape[1] >= d1 + 1
+    src = dst = None
+    if moves:
+        src = torch.empty(bs, d1, dtype=torch.int32, device=path.device)
+        dst = torch.empty_like(src)
+    if bs:
+        _commit_path_kernel[(bs,)](
+            path,
+            accepted,
+            bonus,
+            emitted,
+            lengths,
+            active.view(torch.int8),
+            slot_map,
+            bonus_out,
+            readout,
+            ctx_count if ctx_count is not None else accepted,  # not written unless STAGED
+            src if src is not None else path,  # not written unless MOVES
+            dst if dst is not None else path,
+            trash,
+            d1,
+            path.stride(0),
+            emitted.stride(0),
+            readout.stride(0),
+            slot_map.stride(0),
+            D_PAD=max(2, triton.next_power_of_2(d1)),
+            MOVES=moves,
+            STAGED=ctx_count is not None,
+            num_warps=1,
+        )
+    return (src, dst) if moves else None
+
+
+def row_argmax(x: Tensor, first_max: Tensor | None = None, chunk: int = 4096) -> Tensor:
+    """x.argmax(-1) of x [..., T, V] (any float dtype; the first of equal largest values, as torch's), int64
+    [..., T], in one read of x: programs of `chunk` entries keep their largest value and its index, and
+    one program per row takes the first chunk of the largest. first_max [...], when given, takes
+    x[..., 0, :].amax(-1) in fp32 (the verify's root logit that the smoke test compares). Where torch's
+    reduction read a verify's logits at about a third of the copy bandwidth, plus a second reduction and a
+    copy for the root."""
+    vocab, T = x.shape[-1], x.shape[-2]
+    rows = x.reshape(-1, vocab)
+    assert rows.stride(-1) == 1
+    chunk = min(chunk, triton.next_power_of_2(vocab))
+    chunks = triton.cdiv(vocab, chunk)
+    out = torch.empty(rows.shape[0], dtype=torch.long, device=x.device)
+    if rows.shape[0]:
+        maxima = torch.empty(rows.shape[0], chunks, dtype=torch.float32, device=x.device)
+        index = torch.empty(rows.shape[0], chunks, dtype=torch.int32, device=x.device)
+        _row_max_chunk_kernel[(rows.shape[0], chunks)](
+            rows, maxima, index, rows.stride(0), V=vocab, CHUNK=chunk, num_warps=min(8, max(1, chunk // 512))
+        )
+        if first_max is not None:
+            assert first_max.numel() * T == rows.shape[0] and first_max.is_contiguous()
+        _row_max_merge_kernel[(rows.shape[0],)](
+            maxima,
+            index,
+            out,
+            first_max if first_max is not None else maxima,  # not written unless FIRST
+            T,
+            CHUNKS=chunks,
+            C_PAD=max(2, triton.next_power_of_2(chunks)),
+            FIRST=first_max is not None,
+            num_warps=1,
+        )
+    return out.view(x.shape[:-1])
+
+
 def row_logsumexp(x: Tensor, block: int = 2048) -> Tensor:
     """log(sum(exp(x))) over the last dimension in fp32, [...] for x [..., N] of any float dtype, in one
     read of x: the DDTree candidates take top-k of the draft logits as they are and this for their
@@ -983,6 +1185,7 @@ def row_top_logprobs(x: Tensor, k: int, chunk: int = 4096, group: int | None = N
             CHUNK=chunk,
             KP=kp,
             GROUP=group,
+            KEY16=x.dtype.itemsize == 2 and chunk <= 32768,
             num_warps=min(8, max(1, chunk // 256)),
         )
         c_pad = triton.next_power_of_2(chunks)

@@ -64,13 +64,21 @@ def processed_probs(logits: Tensor, rows: RowSampling) -> Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
-def decide(logits: Tensor, rows: RowSampling, generator: torch.Generator | None, sampling: bool) -> Tensor:
-    """The target's token at every node [bs, N]: argmax where T == 0, else a sample.
+def decide(
+    logits: Tensor,
+    rows: RowSampling,
+    generator: torch.Generator | None,
+    sampling: bool,
+    greedy: Tensor | None = None,
+) -> Tensor:
+    """The target's token at every node [bs, N]: argmax where T == 0 (`greedy` when the caller has it
+    already), else a sample.
 
     `sampling` (known on the host) says whether any sequence has T > 0. Sampling uses the
     exponential race (argmax of p / E with E ~ Exp(1)), which needs no host sync.
     """
-    greedy = logits.argmax(-1)
+    if greedy is None:
+        greedy = logits.argmax(-1)
     if not sampling:
         return greedy
     probs = processed_probs(logits, rows)
