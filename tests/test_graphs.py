@@ -106,6 +106,28 @@ def test_graph_replay_equals_eager_for_every_bucket(method, budget):
 
 
 @gpu
+def test_triton_backend_rounds_replay_losslessly():
+    """The Triton backend's rounds (tree, walk, commit and greedy read as kernels) replayed from graphs
+    emit plain decoding's tokens (fp32), for ddtree and dflash, at a batch with an idle row padded in."""
+    from ddtree.runtime.fused import use_backend
+
+    sp = SamplingParams(max_new_tokens=24)
+    reference = make("cuda", "ar", None).generate(PROMPTS, sp)
+    for method, budget in (("ddtree", 8), ("dflash", None)):
+        engine = make("cuda", method, budget, batch=4)
+        use_backend(engine.target, "triton")
+        engine = Engine(engine.target, engine.drafter, method, budget, max_batch_size=4, max_seq_len=96)
+        engine.capture_graphs([1, 2, 4], [128])
+        rounds = engine.eager_rounds
+        for n in (3, 4):
+            got = engine.generate(PROMPTS[:n], sp)
+            assert [r.token_ids for r in got] == [r.token_ids for r in reference[:n]], (method, n)
+        assert engine.eager_rounds == rounds, "no eager fallback"
+        report = run_smoke(engine, [1, 2, 4], PROMPTS, max_new_tokens=6)
+        assert report.passed and report.mode == "cuda-graphs", report.reason
+
+
+@gpu
 def test_sampling_graph_is_seeded_and_replays():
     engine = make("cuda", "ddtree", 8, batch=2)
     engine.capture_graphs([2], [128], sampling=(False, True))
