@@ -402,6 +402,7 @@ class DFlashDrafter(nn.Module):
         self.rope_factor = rope_attention_factor(cfg.rope_scaling)
         self.max_batch = self.max_slots = self.pool_slots = 0
         self.slot_map = torch.zeros(0, 0, dtype=torch.int32)  # setup_caches
+        self.rope_table: Tensor | None = None  # setup_caches: cos and sin [2, positions, head_dim]
 
     @property
     def block_size(self) -> int:
@@ -414,6 +415,16 @@ class DFlashDrafter(nn.Module):
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(self.inv_freq, positions, dtype, self.rope_factor)
 
+    def rope_rows(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """rope() at positions below max_slots (a round's block and staged context): rows of the table
+        setup_caches made (one gather, where computing them takes seven kernels); computed where there is
+        no table in `dtype`. A prefill chunk's padding may pass max_slots, so append_context computes."""
+        table = self.rope_table
+        if table is None or table.dtype != dtype or table.device != positions.device:
+            return self.rope(positions, dtype)
+        cos_sin = table[:, positions]
+        return cos_sin[0], cos_sin[1]
+
     def setup_caches(
         self, max_batch: int, max_slots: int, pool_slots: int | None = None, slot_map: Tensor | None = None
     ) -> None:
@@ -423,6 +434,8 @@ class DFlashDrafter(nn.Module):
         p = self.fc.weight
         # recomputed here because Module.to(dtype) would have rounded the fp32 frequencies
         self.inv_freq = self.rope_inv_freq().to(p.device)
+        # rope_rows' table: the cos/sin of every position a row holds, computed as rope() computes them
+        self.rope_table = torch.stack(self.rope(torch.arange(max_slots, device=p.device), p.dtype))
         for layer in self.layers:
             layer.self_attn.kv_cache = None  # free the old cache before allocating the new one
         self.slot_map, pool_slots = slot_map_for(max_batch, max_slots, pool_slots, slot_map, p.device)
@@ -447,13 +460,13 @@ class DFlashDrafter(nn.Module):
         tokens (cached here); mask [bs, 1, BS, span] over drafter cache slots: the context and the whole
         block (the causal and windowed layers narrow it, layer_mask). Returns normed hidden states [bs, BS, H]."""
         dtype = block_embeds.dtype
-        rope_blk = self.rope(block_positions, dtype)
+        rope_blk = self.rope_rows(block_positions, dtype)
         block_slots = physical_slots(self.slot_map, block_slots)  # the layers write at physical slots
         ctx = rope_ctx = None
         if ctx_features is not None:
             ctx_slots = physical_slots(self.slot_map, ctx_slots)
             ctx = self.hidden_norm(self.fc(ctx_features))
-            rope_ctx = self.rope(ctx_positions, dtype)
+            rope_ctx = self.rope_rows(ctx_positions, dtype)
         scale = self.config.input_embedding_scale
         x = block_embeds if scale == 1.0 else block_embeds * scale
         bs, T, _ = x.shape
