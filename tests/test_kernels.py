@@ -168,6 +168,43 @@ def check_skinny_linear(device, dtype, rows, n, k, config, gate_up):
         skinny_linear(x[:, :1], w, config, gate_up=gate_up)
 
 
+WIDE_CASES = [  # (rows, N, K, config): a head tile of 64 or 128 rows and a tail of 16 to 128, ragged, K splits
+    (65, 32, 64, (16, 16, 1, 4, 2)),
+    (100, 48, 96, (16, 32, 3, 4, 2)),
+    (144, 32, 64, (32, 16, 2, 4, 3)),
+    (192, 32, 32, (32, 16, 1, 4, 2)),
+]
+
+
+def check_wide_linear(device, dtype, rows, n, k, config):
+    from ddtree.runtime.kernels import wide_applies, wide_linear, wide_row_tiles
+
+    g = torch.Generator().manual_seed(rows * n)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+    x = torch.randn(1, rows, k, generator=g).to(device, dtype)
+    head, tail = wide_row_tiles(rows)
+    assert head + tail >= rows and (head + tail // 2 < rows or tail == 16)  # the smallest tail that covers
+    out = wide_linear(x, w, config)
+    splits = config[2]
+    if splits > 1:  # unsummed fp32 partial products
+        assert out.shape == (splits, 1, rows, n) and out.dtype == torch.float32
+        out = out.sum(0)
+    assert out.shape == (1, rows, n) and out.dtype == (dtype if splits == 1 else torch.float32)
+    tol = (
+        dict(atol=1e-2, rtol=1e-2)
+        if dtype == torch.float16
+        else TOL[dtype]
+        if device == "cuda"
+        else dict(atol=4e-2, rtol=4e-2)
+    )
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), **tol)
+    assert not wide_applies(64, n, k, config, dtype) and not wide_applies(193, n, k, config, dtype)
+    assert not wide_applies(rows, n + 8, k, config, dtype) and not wide_applies(rows, n, k, None, dtype)
+    assert not wide_applies(rows, n, k, config, torch.float32)  # 16-bit configurations only
+    with pytest.raises(AssertionError):
+        wide_linear(x[:, :64], w, config)
+
+
 def check_add_rms_norm(device, dtype, n):
     from ddtree.runtime.kernels import add_rms_norm
 
@@ -715,6 +752,37 @@ def test_skinny_linear(dtype, case):
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", WIDE_CASES)
+def test_wide_linear(dtype, case):
+    check_wide_linear("cpu", dtype, *case)
+
+
+def use_wide(monkeypatch, down: tuple[int, int, int, int, int]) -> list:
+    """wide_linear for the down projection with `down`, serving from 2 rows, so that the tiny models'
+    forwards (2-14 rows) go through it; skinny_linear off. Returns the list of configurations it ran with."""
+    from ddtree.runtime import kernels
+
+    use_skinny(monkeypatch, {})
+    monkeypatch.setattr(kernels, "WIDE_MIN_ROWS", 2)
+    monkeypatch.setattr(TritonMLP, "down_wide", down)
+    wide, configs = kernels.wide_linear, []
+    monkeypatch.setattr(kernels, "wide_linear", lambda x, w, config: configs.append(config) or wide(x, w, config))
+    return configs
+
+
+@interp
+@pytest.mark.parametrize("splits", [1, 5])
+def test_model_with_kernels_and_wide_linear(monkeypatch, splits):
+    """down through kernels.wide_linear, as K-split partial products that add_rms_norm sums or whole, on the
+    prefill (14 rows) and the batch-2 decode step (2 rows); bf16 only."""
+    configs = use_wide(monkeypatch, (16, 16, splits, 4, 2))
+    check_model("cpu", torch.bfloat16, qk_norm=True)
+    check_model("cpu", torch.bfloat16, qk_norm=False)
+    assert configs.count((16, 16, splits, 4, 2)) == 2 * 2 * 3  # two forwards of 2+ rows, both models, 3 layers
+
+
+@interp
 def test_model_with_kernels_through_sdpa_over_gathered_keys(monkeypatch):
     """Forwards of more query tokens than TritonAttention.max_tokens (long prefill chunks) attend through
     SDPA over keys gathered by the slot map inside the kernels path; here every forward does."""
@@ -977,15 +1045,31 @@ def test_drafter_with_kernels_and_skinny_linear(monkeypatch):
 
 
 @interp
+def test_drafter_with_kernels_and_wide_linear(monkeypatch):
+    """bf16, down through kernels.wide_linear as K-split partial products that the fused layer's
+    add_rms_norm sums: no less accurate than the PyTorch path against an fp32 run (as check_model)."""
+    configs = use_wide(monkeypatch, (16, 16, 2, 4, 2))
+    exact = run_drafter(kernels=False)
+    got, ref = run_drafter(True, torch.bfloat16), run_drafter(False, torch.bfloat16)
+    assert configs.count((16, 16, 2, 4, 2)) == 2  # down of both layers went through the kernel
+    for name, a, b, x in zip(("block output", "caches"), got, ref, exact):
+        err_kernels, err_torch = ((t.float() - x).norm().item() / x.norm().item() for t in (a, b))
+        assert err_kernels <= min(2.5 * err_torch, 0.05), (name, err_kernels, err_torch)
+
+
+@interp
 def test_switch_is_explicit_and_dropped_on_move():
     model = tiny_qwen3()
     assert model.backend == "reference"
     use_backend(model, "triton")
     layer = model.model.layers[0]
     assert (type(layer.self_attn), type(layer.mlp), model.backend) == (TritonAttention, TritonMLP, "triton")
+    assert layer.mlp.partial_sums  # the fused layer adds up the down projection's K-split parts
     use_backend(model, "torch")
     assert (type(layer.self_attn), type(layer.mlp), model.backend) == (FusedAttention, FusedMLP, "torch")
+    assert "partial_sums" not in vars(layer.mlp)
     use_backend(model, "triton")
+    assert layer.mlp.partial_sums
     model.to(torch.float64)
     assert (type(layer.self_attn), type(layer.mlp), model.backend) == (Attention, MLP, "reference")
 
@@ -1132,6 +1216,22 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
                     BLOCK_N=64,
                     BLOCK_K=128,
                     GATE_UP=gate_up,
+                    FP32_DOT=False,
+                    PRECISION="ieee" if dtype == "fp32" else "tf32",
+                ),
+                4,
+            )
+        for splits, tail in ((1, 16), (2, 64)):
+            compile_(
+                K._wide_linear_kernel,
+                dtype,
+                dict(out_ptr="*fp32" if splits > 1 else "*" + dtype, M="i32"),
+                dict(
+                    K_SPLIT=4096 // splits,
+                    BLOCK_N=64,
+                    BLOCK_K=64,
+                    HEAD_M=128,
+                    TAIL_M=tail,
                     FP32_DOT=False,
                     PRECISION="ieee" if dtype == "fp32" else "tf32",
                 ),
@@ -1367,6 +1467,11 @@ def compiled_skinny_linear(dtype):
         check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
 
 
+def compiled_wide_linear(dtype):
+    for case in WIDE_CASES + [(144, 4096, 12288, TritonMLP.down_wide)]:
+        check_wide_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
+
+
 def compiled_rows_and_slots(dtype):
     check_row_logsumexp("cuda", dtype)
     check_row_top_logprobs("cuda", dtype)
@@ -1410,6 +1515,7 @@ COMPILED_FAMILIES = {
         compiled_elementwise,
         compiled_gemv,
         compiled_skinny_linear,
+        compiled_wide_linear,
         compiled_rows_and_slots,
         compiled_latent,
         compiled_attention,

@@ -727,6 +727,74 @@ def skinny_sweep(device="cuda", hidden: int = 4096, inter: int = 12288) -> list[
     return out
 
 
+def _cycled_ms(fns: list) -> float:
+    """Device time of one call in ms, the calls cycling through fns (one per copy of a weight, so that L2
+    holds none of them from the call before): a CUDA graph of three passes, median of 7 replays."""
+    for fn in fns:
+        fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(3):
+            for fn in fns:
+                fn()
+    return median_replay_ms(graph, 7) / (3 * len(fns))
+
+
+def _projected(project, w: Tensor, residual: Tensor | None, norm: Tensor) -> Tensor:
+    """project(w), then the add_rms_norm that follows o and down in a decoder layer (residual None: none)."""
+    from . import kernels
+
+    y = project(w)
+    return y if residual is None else kernels.add_rms_norm(y, residual, norm, 1e-6)[0]
+
+
+def wide_sweep(device="cuda", rows_list: tuple[int, ...] = (144,), hidden: int = 4096, inter: int = 12288) -> list:
+    """kernels.wide_linear's configurations (block_n, block_k, K splits, warps, stages) against cuBLAS for the
+    q/k/v, o and down projections of the Qwen3-8B shape at `rows_list` rows (144: a batch-16 B=8 verify),
+    timed in CUDA graphs over 8 copies of the weight. o and down are timed with the add_rms_norm after them
+    (which adds up the K-split partial products, and which follows cuBLAS too): the forward's cost. Per
+    projection: the copy-bandwidth time of the weight, cuBLAS's time and the four fastest configurations."""
+    from . import kernels
+
+    seconds_per_byte = 1 / copy_bandwidth(device)
+    norm = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    out = []
+    for rows in rows_list:
+        for name, n, k in (("qkv", 6144, hidden), ("o", hidden, hidden), ("down", hidden, inter)):
+            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            residual = None if name == "qkv" else torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+            cublas = [partial(_projected, partial(F.linear, x), w, residual, norm) for w in weights]
+            reference = cublas[0]().float()
+            timings: list[tuple[float, tuple]] = []
+            for config in itertools.product((64, 128), (64, 128), (1, 2, 4), (4, 8), (3, 4)):
+                if not kernels.wide_applies(rows, n, k, config, torch.bfloat16) or (name == "qkv" and config[2] > 1):
+                    continue
+                wide = partial(kernels.wide_linear, x, config=config)
+                fns = [partial(_projected, wide, w, residual, norm) for w in weights]
+                try:
+                    torch.testing.assert_close(fns[0]().float(), reference, atol=3e-2, rtol=3e-2)
+                    timings.append((_cycled_ms(fns), config))
+                except Exception as exc:  # a configuration that does not fit this GPU: skipped
+                    if "OutOfResources" not in type(exc).__name__ and "out of resource" not in str(exc):
+                        raise
+            timings.sort()
+            out.append(
+                {
+                    "rows": rows,
+                    "proj": name,
+                    "copy_bound_ms": round(weights[0].numel() * 2 * seconds_per_byte * 1000, 4),
+                    "cublas_ms": round(_cycled_ms(cublas), 4),
+                    "best": [[round(ms, 4), list(config)] for ms, config in timings[:4]],
+                }
+            )
+            print(json.dumps(out[-1]), flush=True)
+            del weights
+    return out
+
+
 def load_time(folder, device, dtype, rank: int = 0, world: int = 1) -> dict:
     """Seconds and peak host memory of loading a checkpoint folder as rank `rank` of `world` (each rank reads
     only its slices: loading needs no process group, so the ranks can be timed one after another)."""

@@ -8,9 +8,9 @@ of two backends, chosen once per model by `use_backend`:
   memory is duplicated); the rest as the reference.
 - "triton": the same GEMMs plus the Triton kernels of ddtree.runtime.kernels: q/k norm + RoPE + cache
   write in one kernel, tree attention (MLA's over the latent cache: mla_kernels), each residual add fused
-  with the RMSNorm after it, and per shape bucket GEMV (one row) or skinny GEMMs (2-64 rows) for some
-  projections. The shape buckets are data on the modules below (class attributes), measured on an H200
-  (docs/engine.md, "Fused kernels").
+  with the RMSNorm after it, and per shape bucket GEMV (one row), skinny GEMMs (2-64 rows) or a wide
+  one (65-192 rows) for some projections. The shape buckets are data on the modules below (class
+  attributes), measured on an H200 or an H100 (docs/engine.md, "Fused kernels").
 
 A swapped module keeps its parameters; moving or casting a model (Module.to) re-creates them, so a fused
 module then turns back into its reference class, and the next Engine swaps it in again.
@@ -39,6 +39,9 @@ from .moe_kernels import group_limited_topk, moe_experts, softmax_topk
 from .quant_kernels import fp8_block_linear, int4_linear, moe_experts_int4
 
 BACKENDS = ("reference", "torch", "triton")
+
+# a GEMM kernel's configuration: (BLOCK_N, BLOCK_K, K splits, warps, stages)
+Config = tuple[int, int, int, int, int]
 
 
 class _Swapped(nn.Module):
@@ -94,7 +97,7 @@ class _FusedQKV(_Swapped):
         self.wqkv = self.bqkv = None
 
 
-def skinny_o(out: Tensor, o_proj: nn.Linear, tp, config: tuple[int, int, int, int, int] | None) -> Tensor | None:
+def skinny_o(out: Tensor, o_proj: nn.Linear, tp, config: Config | None) -> Tensor | None:
     """o_proj(out) as the skinny GEMM's K-split partial sums [splits, *out.shape[:-1], hidden], for
     add_rms_norm to add up, when the kernel serves this shape; None otherwise."""
     rows, w = out.shape[0] * out.shape[1], o_proj.weight
@@ -139,7 +142,7 @@ class TritonAttention(FusedAttention):
 
     qkv_gemv = (8, 256, 4, 3)
     o_gemv = (16, 1024, 8, 3)
-    o_skinny: tuple[int, int, int, int, int] | None = (64, 128, 2, 4, 5)
+    o_skinny: Config | None = (64, 128, 2, 4, 5)
     max_tokens = 256
 
     def uses_tree_attention(self, bs: int, T: int) -> bool:
@@ -212,10 +215,17 @@ class FusedMLP(_Swapped, MLP):
 class TritonMLP(FusedMLP):
     """The Triton path of the MLP (shape buckets as in TritonAttention): one row: down as a GEMV that
     applies silu(gate) * up on the fly; 2-64 rows: gate/up as a skinny GEMM with silu_mul in its epilogue;
-    otherwise cuBLAS and the silu_mul kernel."""
+    otherwise cuBLAS and the silu_mul kernel. At 65-192 rows (a verify at batch 16 of up to 12 tokens
+    a sequence), down as a wide GEMM whose K-split partial sums the layer's add_rms_norm adds up, where
+    the layer does (partial_sums: TritonDecoderLayer and TritonDrafterLayer set it; a MoE's shared experts
+    and DFlash2's layers add the output themselves). Measured on an H100 (bench.wide_sweep): at 144 rows
+    down with its add_rms_norm 0.047 against cuBLAS's 0.049 ms a layer; q/k/v and o slower than cuBLAS,
+    and down at 256 rows."""
 
     down_gemv = (8, 512, 8, 3)
-    gate_up_skinny: tuple[int, int, int, int, int] | None = (32, 64, 1, 4, 4)
+    gate_up_skinny: Config | None = (32, 64, 1, 4, 4)
+    down_wide: Config | None = (64, 128, 2, 4, 4)
+    partial_sums = False
 
     @classmethod
     def config_for(cls, rows: int) -> tuple[int, int, int, int, int] | None:
@@ -230,7 +240,13 @@ class TritonMLP(FusedMLP):
         elif kernels.skinny_applies(rows, inter, x.shape[-1], config, x.dtype):
             out = self.down_proj(kernels.skinny_linear(x, self.w_gate_up, config, gate_up=True))
         else:
-            out = self.down_proj(kernels.silu_mul(F.linear(x, self.w_gate_up)))
+            act = kernels.silu_mul(F.linear(x, self.w_gate_up))
+            down = self.down_proj
+            if self.partial_sums and self.tp is None and down.bias is None:
+                if kernels.wide_applies(rows, down.weight.shape[0], inter, self.down_wide, x.dtype):
+                    assert self.down_wide is not None
+                    return kernels.wide_linear(act, down.weight, self.down_wide)
+            out = down(act)
         return self.tp.all_reduce(out) if self.tp else out
 
 
@@ -240,6 +256,14 @@ class TritonDecoderLayer(_Swapped, DecoderLayer):
     tensor parallelism, before the add, as in the reference."""
 
     reference = DecoderLayer
+
+    def adopt(self) -> None:
+        # the add below sums the K-split parts of the MLP's down projection (TritonMLP, swapped in after
+        # this layer: its instance keeps the flag)
+        vars(self.mlp)["partial_sums"] = True
+
+    def drop(self) -> None:
+        vars(self.mlp).pop("partial_sums", None)
 
     def forward(self, x, h, next_norm, cos, sin, slots, mask, rows, meta):
         post = self.post_attention_layernorm
@@ -662,6 +686,8 @@ def use_drafter_backend(drafter: DFlashDrafter, backend: str) -> None:
             swap(layer, TritonDrafterLayer if triton else DrafterLayer)
         if isinstance(layer.self_attn, TritonDrafterAttention):
             layer.self_attn.partial_sums = isinstance(layer, TritonDrafterLayer)
+        if isinstance(layer.mlp, TritonMLP):
+            layer.mlp.partial_sums = isinstance(layer, TritonDrafterLayer)
 
 
 # ---- the tree ------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ into the down projection). `attention` (with `mask_bounds`, once per forward), `
 (with `row_top_logprobs` for few rows), `walk`, `commit_path` and `move_slots` replace SDPA over the tree
 mask and the many small kernels of the DDTree tree, the walk and the commit. For 2-64 rows (a verify
 forward), `skinny_linear` runs the o projection (as K-split partial products that add_rms_norm sums) and
-the gate/up projection (with silu_mul folded in) closer to the HBM bound than cuBLAS does.
+the gate/up projection (with silu_mul folded in) closer to the HBM bound than cuBLAS does; for 65-192
+rows (a verify at batch 16), `wide_linear` runs the down projection, its K-split parts summed the same way.
 
 The pure-PyTorch forwards of ddtree.models stay the reference and the CPU path; ddtree.runtime.fused
 swaps these kernels in. Arithmetic is in fp32 with
@@ -280,6 +281,51 @@ if triton is not None:
         tl.store(
             out_ptr + split * part_s + m[:, None] * out_s + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=live
         )
+
+    @triton.jit
+    def _wide_linear_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        M,
+        x_s,
+        w_sn,
+        out_s,
+        part_s,
+        K_SPLIT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        HEAD_M: tl.constexpr,
+        TAIL_M: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # out[m, n] = sum_k w[n, k] * x[m, k] over this program's K slice, computed transposed: BLOCK_N
+        # rows of w are the dot's M side (the tensor cores' 64-row unit) and x's rows its N side, which
+        # takes any multiple of 8. The rows are two tiles of powers of two, HEAD_M then TAIL_M, so that
+        # 144 rows cost 128 + 16 columns of MMA rather than 256; each weight tile is read once for both
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        kk = split * K_SPLIT + tl.arange(0, BLOCK_K)
+        w_tile = w_ptr + n[:, None].to(tl.int64) * w_sn + kk[None, :]  # [BLOCK_N, BLOCK_K]
+        mh = tl.arange(0, HEAD_M)
+        mt = HEAD_M + tl.arange(0, TAIL_M)
+        xh_tile = x_ptr + mh[None, :] * x_s + kk[:, None]  # [BLOCK_K, HEAD_M], x transposed
+        xt_tile = x_ptr + mt[None, :] * x_s + kk[:, None]
+        live_h, live_t = mh[None, :] < M, mt[None, :] < M
+        acc_h = tl.zeros([BLOCK_N, HEAD_M], dtype=tl.float32)
+        acc_t = tl.zeros([BLOCK_N, TAIL_M], dtype=tl.float32)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            w = tl.load(w_tile + k0)
+            xh = tl.load(xh_tile + k0, mask=live_h, other=0.0)
+            xt = tl.load(xt_tile + k0, mask=live_t, other=0.0)
+            if FP32_DOT:  # the interpreter computes bf16 dots wrongly
+                w, xh, xt = w.to(tl.float32), xh.to(tl.float32), xt.to(tl.float32)
+            acc_h = tl.dot(w, xh, acc_h, input_precision=PRECISION)
+            acc_t = tl.dot(w, xt, acc_t, input_precision=PRECISION)
+        out = out_ptr + split * part_s + n[:, None]
+        tl.store(out + mh[None, :] * out_s, acc_h.to(out_ptr.dtype.element_ty), mask=live_h)
+        tl.store(out + mt[None, :] * out_s, acc_t.to(out_ptr.dtype.element_ty), mask=live_t)
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -1419,6 +1465,66 @@ def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, i
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GATE_UP=gate_up,
+        FP32_DOT=x.device.type == "cpu",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out.view(splits, *lead, n_out) if splits > 1 else out.view(*lead, n_out)
+
+
+# rows wide_linear serves: past skinny_linear's, up to a verify of 16 sequences of 12 tokens (at 256 rows
+# cuBLAS was faster: fused.TritonMLP)
+WIDE_MIN_ROWS, WIDE_MAX_ROWS = SKINNY_MAX_ROWS + 1, 192
+
+
+def wide_row_tiles(rows: int) -> tuple[int, int]:
+    """wide_linear's two row tiles (powers of two, 16 at least) for `rows` rows: the head as large as the
+    rows allow, up to 128, and the smallest tail that covers the rest."""
+    head = 128 if rows > 128 else 64
+    return head, max(16, triton.next_power_of_2(max(rows - head, 1)))
+
+
+def wide_applies(rows: int, n: int, k: int, config: tuple[int, int, int, int, int] | None, dtype: torch.dtype) -> bool:
+    """wide_linear serves an [n, k] weight of `dtype` at `rows` rows with `config` (None: a projection it
+    does not serve); 16-bit weights only, as skinny_linear."""
+    if config is None or dtype.itemsize != 2:
+        return False
+    block_n, block_k, splits, _, _ = config
+    return WIDE_MIN_ROWS <= rows <= WIDE_MAX_ROWS and n % block_n == 0 and k % (block_k * splits) == 0
+
+
+def wide_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int]) -> Tensor:
+    """F.linear(x, weight) for 65-192 rows (a verify forward at batch 16), as one kernel.
+
+    cuBLAS runs these shapes at 1.3-1.4 x the weight's copy time, the K-split ones with a reduction kernel
+    after (H100, docs/engine.md, "Known performance gaps"). Each program streams BLOCK_N rows of the
+    weight through tl.dot against all the rows of x, transposed so that the rows cost no more MMA columns
+    than two power-of-two tiles hold (wide_row_tiles). With K splits > 1 it returns the unsummed partial
+    products [splits, *x.shape[:-1], N] in fp32, for add_rms_norm to add up, as skinny_linear does."""
+    block_n, block_k, splits, warps, stages = config
+    *lead, k = x.shape
+    n_out = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    assert weight.shape[1] == k and weight.stride(-1) == 1 and x2.stride(-1) == 1
+    assert wide_applies(rows, n_out, k, config, weight.dtype), (rows, n_out, k, config)
+    head, tail = wide_row_tiles(rows)
+    out = torch.empty(splits, rows, n_out, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    _wide_linear_kernel[(n_out // block_n, splits)](
+        x2,
+        weight,
+        out,
+        rows,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(1),
+        out.stride(0),
+        K_SPLIT=k // splits,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        HEAD_M=head,
+        TAIL_M=tail,
         FP32_DOT=x.device.type == "cpu",
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps,
