@@ -1409,15 +1409,21 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 2, 64
 
 
-def skinny_applies(
-    rows: int, n: int, k: int, config: tuple[int, int, int, int, int] | None, dtype: torch.dtype
-) -> bool:
-    """skinny_linear serves an [n, k] weight of `dtype` at `rows` rows with `config` (None: a projection
-    it does not serve). The configurations are for 16-bit weights: fp32 tiles would not fit in shared memory."""
+def _config_fits(n: int, k: int, config: tuple[int, int, int, int, int] | None, dtype: torch.dtype) -> bool:
+    """A GEMM configuration (BLOCK_N, BLOCK_K, K splits, warps, stages) divides an [n, k] weight of `dtype`
+    (None: a projection the kernel does not serve). The configurations are for 16-bit weights: fp32 tiles
+    would not fit in shared memory."""
     if config is None or dtype.itemsize != 2:
         return False
     block_n, block_k, splits, _, _ = config
-    return SKINNY_MIN_ROWS <= rows <= SKINNY_MAX_ROWS and n % block_n == 0 and k % (block_k * splits) == 0
+    return n % block_n == 0 and k % (block_k * splits) == 0
+
+
+def skinny_applies(
+    rows: int, n: int, k: int, config: tuple[int, int, int, int, int] | None, dtype: torch.dtype
+) -> bool:
+    """skinny_linear serves an [n, k] weight of `dtype` at `rows` rows with `config`."""
+    return SKINNY_MIN_ROWS <= rows <= SKINNY_MAX_ROWS and _config_fits(n, k, config, dtype)
 
 
 def skinny_block_m(rows: int) -> int:
@@ -1486,12 +1492,8 @@ def wide_row_tiles(rows: int) -> tuple[int, int]:
 
 
 def wide_applies(rows: int, n: int, k: int, config: tuple[int, int, int, int, int] | None, dtype: torch.dtype) -> bool:
-    """wide_linear serves an [n, k] weight of `dtype` at `rows` rows with `config` (None: a projection it
-    does not serve); 16-bit weights only, as skinny_linear."""
-    if config is None or dtype.itemsize != 2:
-        return False
-    block_n, block_k, splits, _, _ = config
-    return WIDE_MIN_ROWS <= rows <= WIDE_MAX_ROWS and n % block_n == 0 and k % (block_k * splits) == 0
+    """wide_linear serves an [n, k] weight of `dtype` at `rows` rows with `config`."""
+    return WIDE_MIN_ROWS <= rows <= WIDE_MAX_ROWS and _config_fits(n, k, config, dtype)
 
 
 def wide_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int]) -> Tensor:
