@@ -228,7 +228,7 @@ class TritonMLP(FusedMLP):
     partial_sums = False
 
     @classmethod
-    def config_for(cls, rows: int) -> tuple[int, int, int, int, int] | None:
+    def config_for(cls, rows: int) -> Config | None:
         """The gate/up skinny GEMM's configuration at `rows` rows."""
         return cls.gate_up_skinny
 
@@ -240,13 +240,12 @@ class TritonMLP(FusedMLP):
         elif kernels.skinny_applies(rows, inter, x.shape[-1], config, x.dtype):
             out = self.down_proj(kernels.skinny_linear(x, self.w_gate_up, config, gate_up=True))
         else:
-            act = kernels.silu_mul(F.linear(x, self.w_gate_up))
-            down = self.down_proj
-            if self.partial_sums and self.tp is None and down.bias is None:
-                if kernels.wide_applies(rows, down.weight.shape[0], inter, self.down_wide, x.dtype):
-                    assert self.down_wide is not None
-                    return kernels.wide_linear(act, down.weight, self.down_wide)
-            out = down(act)
+            act, w, wide = kernels.silu_mul(F.linear(x, self.w_gate_up)), self.down_proj.weight, self.down_wide
+            # K-split parts only where the layer's add_rms_norm sums them (no all-reduce, no bias)
+            if self.partial_sums and self.tp is None and self.down_proj.bias is None and wide is not None:
+                if kernels.wide_applies(rows, w.shape[0], inter, wide, x.dtype):
+                    return kernels.wide_linear(act, w, wide)
+            out = self.down_proj(act)
         return self.tp.all_reduce(out) if self.tp else out
 
 
