@@ -168,30 +168,23 @@ def check_skinny_linear(device, dtype, rows, n, k, config, gate_up):
         skinny_linear(x[:, :1], w, config, gate_up=gate_up)
 
 
-WIDE_CASES = [  # (rows, N, K, config, gate_up): a head tile of 64 or 128 rows and a tail of 16 to 128, ragged,
-    # K splits, silu(gate) * up
-    (65, 32, 64, (16, 16, 1, 4, 2), False),
-    (100, 48, 96, (16, 32, 3, 4, 2), False),
-    (144, 32, 64, (32, 16, 2, 4, 3), False),
-    (192, 32, 32, (32, 16, 1, 4, 2), False),
-    (100, 32, 64, (16, 32, 1, 4, 2), True),
-    (144, 48, 32, (16, 16, 1, 4, 3), True),
+WIDE_CASES = [  # (rows, N, K, config): a head tile of 64 or 128 rows and a tail of 16 to 128, ragged, K splits
+    (65, 32, 64, (16, 16, 1, 4, 2)),
+    (100, 48, 96, (16, 32, 3, 4, 2)),
+    (144, 32, 64, (32, 16, 2, 4, 3)),
+    (192, 32, 32, (32, 16, 1, 4, 2)),
 ]
 
 
-def check_wide_linear(device, dtype, rows, n, k, config, gate_up):
+def check_wide_linear(device, dtype, rows, n, k, config):
     from ddtree.runtime.kernels import wide_applies, wide_linear, wide_row_tiles
 
     g = torch.Generator().manual_seed(rows * n)
-    w = (torch.randn(2 * n if gate_up else n, k, generator=g) / k**0.5).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
     x = torch.randn(1, rows, k, generator=g).to(device, dtype)
     head, tail = wide_row_tiles(rows)
     assert head + tail >= rows and (head + tail // 2 < rows or tail == 16)  # the smallest tail that covers
-    ref = F.linear(x.float(), w.float())
-    if gate_up:  # gate and up rounded to the model dtype, as the unfused GEMM's output is
-        gate, up = ref.to(dtype).float().chunk(2, dim=-1)
-        ref = F.silu(gate) * up
-    out = wide_linear(x, w, config, gate_up=gate_up)
+    out = wide_linear(x, w, config)
     splits = config[2]
     if splits > 1:  # unsummed fp32 partial products
         assert out.shape == (splits, 1, rows, n) and out.dtype == torch.float32
@@ -204,12 +197,12 @@ def check_wide_linear(device, dtype, rows, n, k, config, gate_up):
         if device == "cuda"
         else dict(atol=4e-2, rtol=4e-2)
     )
-    torch.testing.assert_close(out.float(), ref, **tol)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), **tol)
     assert not wide_applies(64, n, k, config, dtype) and not wide_applies(193, n, k, config, dtype)
     assert not wide_applies(rows, n + 8, k, config, dtype) and not wide_applies(rows, n, k, None, dtype)
     assert not wide_applies(rows, n, k, config, torch.float32)  # 16-bit configurations only
     with pytest.raises(AssertionError):
-        wide_linear(x[:, :64], w, config, gate_up=gate_up)
+        wide_linear(x[:, :64], w, config)
 
 
 def check_add_rms_norm(device, dtype, n):
@@ -765,23 +758,16 @@ def test_wide_linear(dtype, case):
     check_wide_linear("cpu", dtype, *case)
 
 
-def use_wide(monkeypatch, down: tuple[int, int, int, int, int] | None, gate_up=None) -> list:
-    """wide_linear for the down projection with `down` and gate/up with `gate_up`, serving from 2 rows, so
-    that the tiny models' forwards (2-14 rows) go through it; skinny_linear off. Returns the list of
-    (configuration, gate_up) it ran with."""
+def use_wide(monkeypatch, down: tuple[int, int, int, int, int]) -> list:
+    """wide_linear for the down projection with `down`, serving from 2 rows, so that the tiny models'
+    forwards (2-14 rows) go through it; skinny_linear off. Returns the list of configurations it ran with."""
     from ddtree.runtime import kernels
 
     use_skinny(monkeypatch, {})
     monkeypatch.setattr(kernels, "WIDE_MIN_ROWS", 2)
     monkeypatch.setattr(TritonMLP, "down_wide", down)
-    monkeypatch.setattr(TritonMLP, "gate_up_wide", gate_up)
     wide, configs = kernels.wide_linear, []
-
-    def counted(x, w, config, gate_up=False):
-        configs.append((config, gate_up))
-        return wide(x, w, config, gate_up=gate_up)
-
-    monkeypatch.setattr(kernels, "wide_linear", counted)
+    monkeypatch.setattr(kernels, "wide_linear", lambda x, w, config: configs.append(config) or wide(x, w, config))
     return configs
 
 
@@ -793,18 +779,7 @@ def test_model_with_kernels_and_wide_linear(monkeypatch, splits):
     configs = use_wide(monkeypatch, (16, 16, splits, 4, 2))
     check_model("cpu", torch.bfloat16, qk_norm=True)
     check_model("cpu", torch.bfloat16, qk_norm=False)
-    # two forwards of 2+ rows, both models, 3 layers
-    assert configs.count(((16, 16, splits, 4, 2), False)) == len(configs) == 2 * 2 * 3
-
-
-@interp
-def test_model_with_kernels_and_wide_gate_up(monkeypatch):
-    """gate/up through kernels.wide_linear with silu_mul in its epilogue (down on cuBLAS), on the prefill
-    and the batch-2 decode step; bf16, no less accurate than torch against fp32 (check_model)."""
-    configs = use_wide(monkeypatch, None, gate_up=(16, 16, 1, 4, 2))
-    check_model("cpu", torch.bfloat16, qk_norm=True)
-    check_model("cpu", torch.bfloat16, qk_norm=False)
-    assert configs.count(((16, 16, 1, 4, 2), True)) == len(configs) == 2 * 2 * 3
+    assert configs.count((16, 16, splits, 4, 2)) == 2 * 2 * 3  # two forwards of 2+ rows, both models, 3 layers
 
 
 @interp
@@ -1072,13 +1047,11 @@ def test_drafter_with_kernels_and_skinny_linear(monkeypatch):
 @interp
 def test_drafter_with_kernels_and_wide_linear(monkeypatch):
     """bf16, down through kernels.wide_linear as K-split partial products that the fused layer's
-    add_rms_norm sums, gate/up with silu_mul in its epilogue: no less accurate than the PyTorch path against
-    an fp32 run (as check_model)."""
-    configs = use_wide(monkeypatch, (16, 16, 2, 4, 2), gate_up=(16, 16, 1, 4, 2))
+    add_rms_norm sums: no less accurate than the PyTorch path against an fp32 run (as check_model)."""
+    configs = use_wide(monkeypatch, (16, 16, 2, 4, 2))
     exact = run_drafter(kernels=False)
     got, ref = run_drafter(True, torch.bfloat16), run_drafter(False, torch.bfloat16)
-    # down and gate/up of both layers went through the kernel
-    assert configs.count(((16, 16, 2, 4, 2), False)) == configs.count(((16, 16, 1, 4, 2), True)) == 2
+    assert configs.count((16, 16, 2, 4, 2)) == 2  # down of both layers went through the kernel
     for name, a, b, x in zip(("block output", "caches"), got, ref, exact):
         err_kernels, err_torch = ((t.float() - x).norm().item() / x.norm().item() for t in (a, b))
         assert err_kernels <= min(2.5 * err_torch, 0.05), (name, err_kernels, err_torch)
@@ -1248,7 +1221,7 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
                 ),
                 4,
             )
-        for splits, tail, gate_up in ((1, 16, True), (2, 64, False)):
+        for splits, tail in ((1, 16), (2, 64)):
             compile_(
                 K._wide_linear_kernel,
                 dtype,
@@ -1259,7 +1232,6 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
                     BLOCK_K=64,
                     HEAD_M=128,
                     TAIL_M=tail,
-                    GATE_UP=gate_up,
                     FP32_DOT=False,
                     PRECISION="ieee" if dtype == "fp32" else "tf32",
                 ),
@@ -1496,8 +1468,7 @@ def compiled_skinny_linear(dtype):
 
 
 def compiled_wide_linear(dtype):
-    shipped = [(144, 4096, 12288, TritonMLP.down_wide, False), (144, 12288, 4096, TritonMLP.gate_up_wide, True)]
-    for case in WIDE_CASES + [case for case in shipped if case[3] is not None]:
+    for case in WIDE_CASES + [(144, 4096, 12288, TritonMLP.down_wide)]:
         check_wide_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
 
 

@@ -750,47 +750,29 @@ def _projected(project, w: Tensor, residual: Tensor | None, norm: Tensor) -> Ten
     return y if residual is None else kernels.add_rms_norm(y, residual, norm, 1e-6)[0]
 
 
-def _silu_gate_up(x: Tensor, w: Tensor) -> Tensor:
-    from . import kernels
-
-    return kernels.silu_mul(F.linear(x, w))
-
-
-def wide_sweep(
-    device="cuda",
-    rows_list: tuple[int, ...] = (144,),
-    hidden: int = 4096,
-    inter: int = 12288,
-    projections: tuple[str, ...] = ("qkv", "o", "down", "gate_up"),
-) -> list:
+def wide_sweep(device="cuda", rows_list: tuple[int, ...] = (144,), hidden: int = 4096, inter: int = 12288) -> list:
     """kernels.wide_linear's configurations (block_n, block_k, K splits, warps, stages) against cuBLAS for the
-    q/k/v, o, down and gate/up projections of the Qwen3-8B shape at `rows_list` rows (144: a batch-16 B=8
-    verify), timed in CUDA graphs over 8 copies of the weight. o and down are timed with the add_rms_norm
-    after them (which adds up the K-split partial products, and which follows cuBLAS too), gate/up with the
-    silu_mul after cuBLAS that the kernel's epilogue replaces: the forward's cost. Per projection: the
-    copy-bandwidth time of the weight, cuBLAS's time and the four fastest configurations."""
+    q/k/v, o and down projections of the Qwen3-8B shape at `rows_list` rows (144: a batch-16 B=8 verify),
+    timed in CUDA graphs over 8 copies of the weight. o and down are timed with the add_rms_norm after them
+    (which adds up the K-split partial products, and which follows cuBLAS too): the forward's cost. Per
+    projection: the copy-bandwidth time of the weight, cuBLAS's time and the four fastest configurations."""
     from . import kernels
 
     seconds_per_byte = 1 / copy_bandwidth(device)
     norm = torch.ones(hidden, device=device, dtype=torch.bfloat16)
-    shapes = {"qkv": (6144, hidden), "o": (hidden, hidden), "down": (hidden, inter), "gate_up": (2 * inter, hidden)}
     out = []
     for rows in rows_list:
-        for name in projections:
-            n, k = shapes[name]
-            gate_up, whole = name == "gate_up", name in ("qkv", "gate_up")  # whole: no add_rms_norm to sum parts
+        for name, n, k in (("qkv", 6144, hidden), ("o", hidden, hidden), ("down", hidden, inter)):
             weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(8)]
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-            residual = None if whole else torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
-            linear = partial(_silu_gate_up if gate_up else F.linear, x)
-            cublas = [partial(_projected, linear, w, residual, norm) for w in weights]
+            residual = None if name == "qkv" else torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+            cublas = [partial(_projected, partial(F.linear, x), w, residual, norm) for w in weights]
             reference = cublas[0]().float()
             timings: list[tuple[float, tuple]] = []
-            for config in itertools.product((32, 64, 128), (64, 128), (1, 2, 4), (4, 8), (3, 4)):
-                n_out = n // 2 if gate_up else n
-                if not kernels.wide_applies(rows, n_out, k, config, torch.bfloat16) or (whole and config[2] > 1):
+            for config in itertools.product((64, 128), (64, 128), (1, 2, 4), (4, 8), (3, 4)):
+                if not kernels.wide_applies(rows, n, k, config, torch.bfloat16) or (name == "qkv" and config[2] > 1):
                     continue
-                wide = partial(kernels.wide_linear, x, config=config, gate_up=gate_up)
+                wide = partial(kernels.wide_linear, x, config=config)
                 fns = [partial(_projected, wide, w, residual, norm) for w in weights]
                 try:
                     torch.testing.assert_close(fns[0]().float(), reference, atol=3e-2, rtol=3e-2)

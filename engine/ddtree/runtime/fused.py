@@ -218,14 +218,12 @@ class TritonMLP(FusedMLP):
     otherwise cuBLAS and the silu_mul kernel. At 65-192 rows (a verify at batch 16 of up to 12 tokens
     a sequence), down as a wide GEMM whose K-split partial sums the layer's add_rms_norm adds up, where
     the layer does (partial_sums: TritonDecoderLayer and TritonDrafterLayer set it; a MoE's shared experts
-    and DFlash2's layers add the output themselves), and gate/up as a wide GEMM with silu_mul in its
-    epilogue where gate_up_wide is set. Measured on an H100 (bench.wide_sweep): at 144 rows down with its
-    add_rms_norm 0.047 against cuBLAS's 0.049 ms a layer; q/k/v and o slower than cuBLAS, and down at 256
-    rows."""
+    and DFlash2's layers add the output themselves). Measured on an H100 (bench.wide_sweep): at 144 rows
+    down with its add_rms_norm 0.047 against cuBLAS's 0.049 ms a layer; q/k/v and o slower than cuBLAS,
+    and down at 256 rows."""
 
     down_gemv = (8, 512, 8, 3)
     gate_up_skinny: Config | None = (32, 64, 1, 4, 4)
-    gate_up_wide: Config | None = None
     down_wide: Config | None = (64, 128, 2, 4, 4)
     partial_sums = False
 
@@ -242,11 +240,7 @@ class TritonMLP(FusedMLP):
         elif kernels.skinny_applies(rows, inter, x.shape[-1], config, x.dtype):
             out = self.down_proj(kernels.skinny_linear(x, self.w_gate_up, config, gate_up=True))
         else:
-            if kernels.wide_applies(rows, inter, x.shape[-1], self.gate_up_wide, x.dtype):
-                act = kernels.wide_linear(x, self.w_gate_up, self.gate_up_wide, gate_up=True)
-            else:
-                act = kernels.silu_mul(F.linear(x, self.w_gate_up))
-            w, wide = self.down_proj.weight, self.down_wide
+            act, w, wide = kernels.silu_mul(F.linear(x, self.w_gate_up)), self.down_proj.weight, self.down_wide
             # K-split parts only where the layer's add_rms_norm sums them (no all-reduce, no bias)
             if self.partial_sums and self.tp is None and self.down_proj.bias is None and wide is not None:
                 if kernels.wide_applies(rows, w.shape[0], inter, wide, x.dtype):

@@ -292,21 +292,18 @@ if triton is not None:
         w_sn,
         out_s,
         part_s,
-        up_off,
         K_SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         HEAD_M: tl.constexpr,
         TAIL_M: tl.constexpr,
-        GATE_UP: tl.constexpr,
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         # out[m, n] = sum_k w[n, k] * x[m, k] over this program's K slice, computed transposed: BLOCK_N
         # rows of w are the dot's M side (the tensor cores' 64-row unit) and x's rows its N side, which
         # takes any multiple of 8. The rows are two tiles of powers of two, HEAD_M then TAIL_M, so that
-        # 144 rows cost 128 + 16 columns of MMA rather than 256; each weight tile is read once for both.
-        # With GATE_UP, w is [gate | up] (up_off elements apart) and the program writes silu(gate) * up
+        # 144 rows cost 128 + 16 columns of MMA rather than 256; each weight tile is read once for both
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         kk = split * K_SPLIT + tl.arange(0, BLOCK_K)
@@ -318,28 +315,14 @@ if triton is not None:
         live_h, live_t = mh[None, :] < M, mt[None, :] < M
         acc_h = tl.zeros([BLOCK_N, HEAD_M], dtype=tl.float32)
         acc_t = tl.zeros([BLOCK_N, TAIL_M], dtype=tl.float32)
-        up_h = tl.zeros([BLOCK_N, HEAD_M], dtype=tl.float32)
-        up_t = tl.zeros([BLOCK_N, TAIL_M], dtype=tl.float32)
         for k0 in range(0, K_SPLIT, BLOCK_K):
             w = tl.load(w_tile + k0)
             xh = tl.load(xh_tile + k0, mask=live_h, other=0.0)
             xt = tl.load(xt_tile + k0, mask=live_t, other=0.0)
-            if GATE_UP:
-                up = tl.load(w_tile + up_off + k0)
             if FP32_DOT:  # the interpreter computes bf16 dots wrongly
                 w, xh, xt = w.to(tl.float32), xh.to(tl.float32), xt.to(tl.float32)
-                if GATE_UP:
-                    up = up.to(tl.float32)
             acc_h = tl.dot(w, xh, acc_h, input_precision=PRECISION)
             acc_t = tl.dot(w, xt, acc_t, input_precision=PRECISION)
-            if GATE_UP:
-                up_h = tl.dot(up, xh, up_h, input_precision=PRECISION)
-                up_t = tl.dot(up, xt, up_t, input_precision=PRECISION)
-        if GATE_UP:  # gate and up rounded to the model dtype first, as the unfused path has them
-            dtype = out_ptr.dtype.element_ty
-            gate_h, gate_t = acc_h.to(dtype).to(tl.float32), acc_t.to(dtype).to(tl.float32)
-            acc_h = gate_h * tl.sigmoid(gate_h) * up_h.to(dtype).to(tl.float32)
-            acc_t = gate_t * tl.sigmoid(gate_t) * up_t.to(dtype).to(tl.float32)
         out = out_ptr + split * part_s + n[:, None]
         tl.store(out + mh[None, :] * out_s, acc_h.to(out_ptr.dtype.element_ty), mask=live_h)
         tl.store(out + mt[None, :] * out_s, acc_t.to(out_ptr.dtype.element_ty), mask=live_t)
@@ -1513,28 +1496,21 @@ def wide_applies(rows: int, n: int, k: int, config: tuple[int, int, int, int, in
     return WIDE_MIN_ROWS <= rows <= WIDE_MAX_ROWS and _config_fits(n, k, config, dtype)
 
 
-def wide_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int], gate_up: bool = False) -> Tensor:
+def wide_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int]) -> Tensor:
     """F.linear(x, weight) for 65-192 rows (a verify forward at batch 16), as one kernel.
 
     cuBLAS runs these shapes at 1.3-1.4 x the weight's copy time, the K-split ones with a reduction kernel
     after (H100, docs/engine.md, "Known performance gaps"). Each program streams BLOCK_N rows of the
     weight through tl.dot against all the rows of x, transposed so that the rows cost no more MMA columns
     than two power-of-two tiles hold (wide_row_tiles). With K splits > 1 it returns the unsummed partial
-    products [splits, *x.shape[:-1], N] in fp32, for add_rms_norm to add up, as skinny_linear does.
-    gate_up=True takes the fused [gate | up] weight and returns silu(gate) * up [..., N / 2], which saves
-    the silu_mul kernel and its pass over the gate/up product."""
+    products [splits, *x.shape[:-1], N] in fp32, for add_rms_norm to add up, as skinny_linear does."""
     block_n, block_k, splits, warps, stages = config
     *lead, k = x.shape
-    n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
+    n_out = weight.shape[0]
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
     assert weight.shape[1] == k and weight.stride(-1) == 1 and x2.stride(-1) == 1
-    assert wide_applies(rows, n_out, k, config, weight.dtype) and not (gate_up and splits > 1), (
-        rows,
-        n_out,
-        k,
-        config,
-    )
+    assert wide_applies(rows, n_out, k, config, weight.dtype), (rows, n_out, k, config)
     head, tail = wide_row_tiles(rows)
     out = torch.empty(splits, rows, n_out, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
     _wide_linear_kernel[(n_out // block_n, splits)](
@@ -1546,13 +1522,11 @@ def wide_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int
         weight.stride(0),
         out.stride(1),
         out.stride(0),
-        n_out * weight.stride(0),
         K_SPLIT=k // splits,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         HEAD_M=head,
         TAIL_M=tail,
-        GATE_UP=gate_up,
         FP32_DOT=x.device.type == "cpu",
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps,
