@@ -39,6 +39,11 @@ except ImportError:  # CPU-only installs: the PyTorch path is used
     triton = None
 
 
+# the attention kernels' scores are in base 2: softmax(x) = exp2(x * log2(e)) / sum, so the launchers scale the
+# scores by log2(e) as well
+SOFTMAX_SCALE = math.log2(math.e)
+
+
 def available(device: torch.device | str) -> bool:
     """Triton can run on tensors of `device`: CUDA, or CPU under the Triton interpreter."""
     if triton is None:
@@ -447,13 +452,16 @@ if triton is not None:
 
     @triton.jit
     def _online_softmax(scores, v, seen, m_i, l_i, acc, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-        # a block of scores [rows, keys] and their values [keys, dims] into the running softmax
+        # a block of scores [rows, keys] and their values [keys, dims] into the running softmax. The
+        # scores come scaled by log2(e) (SOFTMAX_SCALE): exp2 of the difference is one fused multiply-add
+        # and ex2 a score, where exp costs two multiplies, a subtraction and ex2; the row maxima in ml are
+        # base 2 too, for _attention_combine_kernel
         if MASKED:
             scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
@@ -680,7 +688,7 @@ if triton is not None:
         m = tl.load(ml_ptr + part * 2, mask=s < SPLITS, other=float("-inf"))
         l = tl.load(ml_ptr + part * 2 + 1, mask=s < SPLITS, other=0.0)
         top = tl.max(m, axis=0)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))  # base-2 row maxima (_online_softmax)
         seen = (s < SPLITS) & (m != float("-inf"))
         acc = tl.load(acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=seen[:, None], other=0.0)
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
@@ -1745,7 +1753,7 @@ def attention(
         out,
         T,
         span,
-        hd**-0.5,
+        hd**-0.5 * SOFTMAX_SCALE,
         splits,
         row_blocks,
         chunk,  # runtime values: new prompt lengths and spans compile nothing new

@@ -318,7 +318,7 @@ def latent_attention(
         out,
         T,
         span,
-        scale,
+        scale * kernels.SOFTMAX_SCALE,
         splits,
         row_blocks,
         chunk,  # runtime values: new prompt lengths and spans compile nothing new
