@@ -234,9 +234,10 @@ def attention_masks(g: torch.Generator, bs: int, T: int, span: int, broadcast: b
     return [mask.to(device), cut.to(device), tree.to(device)]
 
 
-def check_attention(device, dtype, cases):
+def check_attention(device, dtype, cases, key_growth=0.0):
     """The chunked attention equals SDPA over the cache rows and span the mask selects, the rows' slots
-    scattered over the physical pool by a random slot map."""
+    scattered over the physical pool by a random slot map. key_growth > 0 scales the keys by 1 + key_growth
+    times their position, so that the rows' score maxima grow along the span (the lazy rescale's path)."""
     from ddtree.runtime.kernels import attention
 
     g = torch.Generator().manual_seed(7)
@@ -247,6 +248,8 @@ def check_attention(device, dtype, cases):
         vc = torch.randn(kv_heads, pool, hd, generator=g).to(device, dtype)
         slot_map = torch.randperm(pool, generator=g)[: max_batch * slots].view(max_batch, slots)
         slot_map = slot_map.to(device, torch.int32)
+        if key_growth:
+            kc[:, slot_map[:, :span]] *= rising(span, key_growth, device, dtype)
         q = torch.randn(bs, heads, T, hd, generator=g).to(device, dtype)
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
         # chunks by attention_launch, then one chunk for every key (the output written without a combine)
@@ -265,9 +268,15 @@ def check_attention(device, dtype, cases):
             torch.testing.assert_close(out.float(), ref.transpose(1, 2).reshape(bs, T, -1), **TOL[dtype])
 
 
-def check_latent_attention(device, dtype, cases):
+def rising(span, key_growth, device, dtype):
+    """[span, 1] factors 1 + key_growth * position, for keys whose scores grow along the span."""
+    return (1 + key_growth * torch.arange(span, dtype=torch.float32))[:, None].to(device, dtype)
+
+
+def check_latent_attention(device, dtype, cases, key_growth=0.0):
     """MLA's kernel equals SDPA of every head over the latents the mask selects (keys: compressed kv and
-    RoPE key; values: the compressed kv), the rows' slots scattered over the pool by a random slot map."""
+    RoPE key; values: the compressed kv), the rows' slots scattered over the pool by a random slot map.
+    key_growth as in check_attention."""
     from ddtree.runtime.mla_kernels import latent_attention
 
     g = torch.Generator().manual_seed(11)
@@ -277,6 +286,8 @@ def check_latent_attention(device, dtype, cases):
         latent = torch.randn(pool, rank + rope, generator=g).to(device, dtype)
         slot_map = torch.randperm(pool, generator=g)[: max_batch * slots].view(max_batch, slots)
         slot_map = slot_map.to(device, torch.int32)
+        if key_growth:
+            latent[slot_map[:, :span], rank:] *= rising(span, key_growth, device, dtype)  # RoPE keys, not values
         q = torch.randn(bs, heads, T, rank + rope, generator=g).to(device, dtype)
         rows = torch.randperm(max_batch, generator=g)[:bs].to(device) if rows_given else None
         scale = 0.7 * (rank + rope) ** -0.5  # not the kernel's default: YaRN's mscale changes it
@@ -796,6 +807,14 @@ def test_attention(dtype):
     check_attention("cpu", dtype, ATTENTION_CASES)
 
 
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_rising_scores(dtype):
+    """Keys that grow along the span, so that the running maxima move by more than 2^8 after the first key
+    block: the kernel rescales its sums then and only then, and its output stays SDPA's."""
+    check_attention("cpu", dtype, ATTENTION_CASES[:3], key_growth=0.2)
+
+
 LATENT_CASES = [  # (bs, heads, T, kv_lora_rank, rope dims, span, rows given, mask broadcast over the batch)
     (2, 4, 5, 32, 16, 200, False, False),
     (1, 8, 33, 32, 16, 130, False, True),  # 264 rows: 17 tiles of 16
@@ -809,6 +828,13 @@ LATENT_CASES = [  # (bs, heads, T, kv_lora_rank, rope dims, span, rows given, ma
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_latent_attention(dtype):
     check_latent_attention("cpu", dtype, LATENT_CASES)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_attention_over_rising_scores(dtype):
+    """test_attention_over_rising_scores for MLA's kernel."""
+    check_latent_attention("cpu", dtype, LATENT_CASES[:2], key_growth=0.2)
 
 
 LATENT_ROPE_CASES = [  # (heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, T, interleaved RoPE)
@@ -1491,6 +1517,7 @@ def compiled_latent(dtype):
             (2, 64, 9, 512, 64, 700, False, True),  # all 64 heads on one GPU
         ],
     )
+    check_latent_attention("cuda", dtype, LATENT_CASES, key_growth=0.2)
 
 
 def compiled_attention(dtype):
@@ -1505,6 +1532,7 @@ def compiled_attention(dtype):
             (2, 9, 3, 129, 64, 1200, False, False),
         ],
     )
+    check_attention("cuda", dtype, ATTENTION_CASES, key_growth=0.2)
 
 
 # one case a kernel family, so that a failure names its family and a time limit keeps what passed before it
