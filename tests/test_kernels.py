@@ -237,7 +237,7 @@ def attention_masks(g: torch.Generator, bs: int, T: int, span: int, broadcast: b
 def check_attention(device, dtype, cases, key_growth=0.0):
     """The chunked attention equals SDPA over the cache rows and span the mask selects, the rows' slots
     scattered over the physical pool by a random slot map. key_growth > 0 scales the keys by 1 + key_growth
-    times their position, so that the rows' score maxima grow along the span (the lazy rescale's path)."""
+    times their position, so that the rows' score maxima grow along the span, past the first key block."""
     from ddtree.runtime.kernels import attention
 
     g = torch.Generator().manual_seed(7)
@@ -811,7 +811,7 @@ def test_attention(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_over_rising_scores(dtype):
     """Keys that grow along the span, so that the running maxima move by more than 2^8 after the first key
-    block: the kernel rescales its sums then and only then, and its output stays SDPA's."""
+    block: the running sums' rescale there is exercised, and the output stays SDPA's."""
     check_attention("cpu", dtype, ATTENTION_CASES[:3], key_growth=0.2)
 
 
