@@ -146,12 +146,7 @@ def check_skinny_linear(device, dtype, rows, n, k, config, gate_up):
     if gate_up:  # gate and up rounded to the model dtype, as the unfused GEMM's output is
         gate, up = ref.to(dtype).float().chunk(2, dim=-1)
         ref = F.silu(gate) * up
-    out = skinny_linear(x, w, config, gate_up=gate_up)
     splits = config[2]
-    if splits > 1:  # unsummed fp32 partial products
-        assert out.shape == (splits, 1, rows, n) and out.dtype == torch.float32
-        out = out.sum(0)
-    assert out.shape == (1, rows, n) and out.dtype == (dtype if splits == 1 else torch.float32)
     # the interpreter truncates fp32 to bf16 where compiled Triton rounds: twice the rounding error
     tol = (
         dict(atol=1e-2, rtol=1e-2)
@@ -160,7 +155,13 @@ def check_skinny_linear(device, dtype, rows, n, k, config, gate_up):
         if device == "cuda"
         else dict(atol=4e-2, rtol=4e-2)
     )
-    torch.testing.assert_close(out.float(), ref, **tol)
+    for tma in (True, False):  # loads through TMA descriptors, and through pointers
+        out = skinny_linear(x, w, config, gate_up=gate_up, tma=tma)
+        if splits > 1:  # unsummed fp32 partial products
+            assert out.shape == (splits, 1, rows, n) and out.dtype == torch.float32
+            out = out.sum(0)
+        assert out.shape == (1, rows, n) and out.dtype == (dtype if splits == 1 else torch.float32)
+        torch.testing.assert_close(out.float(), ref, **tol)
     assert not skinny_applies(1, n, k, config, dtype) and not skinny_applies(65, n, k, config, dtype)
     assert not skinny_applies(rows, n + 8, k, config, dtype) and not skinny_applies(rows, n, k, None, dtype)
     assert not skinny_applies(rows, n, k, config, torch.float32)  # 16-bit configurations only
@@ -736,23 +737,32 @@ def test_model_with_kernels_equals_without(qk_norm):
 
 # skinny_linear configurations the tiny models' o (48 x 48) and gate/up (80 x 48) fit; the shipped ones are for
 # the 8B shape, so that test_model_with_kernels_equals_without leaves these projections on torch
-TINY_SKINNY = {"o": (16, 16, 3, 4, 2), "gate_up": (16, 16, 1, 4, 2)}
+TINY_SKINNY = {"o": (16, 16, 3, 4, 2), "gate_up": (16, 16, 1, 4, 2), "down": (16, 16, 5, 4, 2)}
 
 
 def use_skinny(monkeypatch, configs: dict) -> None:
-    """skinny_linear configurations of the o and gate/up projections (a missing one: cuBLAS)."""
+    """skinny_linear configurations of the o, gate/up and down projections (a missing one: cuBLAS)."""
     monkeypatch.setattr(TritonAttention, "o_skinny", configs.get("o"))
     monkeypatch.setattr(TritonMLP, "gate_up_skinny", configs.get("gate_up"))
+    monkeypatch.setattr(TritonMLP, "down_skinny", configs.get("down"))
 
 
 @interp
 @pytest.mark.parametrize("o_splits", [1, 3])
 def test_model_with_kernels_and_skinny_linear(monkeypatch, o_splits):
-    """o (as K-split partial products summed by add_rms_norm, or whole) and gate/up with silu_mul through
-    kernels.skinny_linear on the prefill (14 rows) and the batch-2 decode step (2 rows); bf16 only."""
-    use_skinny(monkeypatch, {**TINY_SKINNY, "o": (16, 16, o_splits, 4, 2)})
+    """o and down (as K-split partial products summed by add_rms_norm, or whole) and gate/up with silu_mul
+    through kernels.skinny_linear on the prefill (14 rows) and the batch-2 decode step (2 rows); bf16 only."""
+    from ddtree.runtime import kernels
+
+    down = (16, 16, 5, 4, 2) if o_splits > 1 else (16, 16, 1, 2, 2)  # not the same as o
+    use_skinny(monkeypatch, {**TINY_SKINNY, "o": (16, 16, o_splits, 4, 2), "down": down})
+    skinny, configs = kernels.skinny_linear, []
+    monkeypatch.setattr(
+        kernels, "skinny_linear", lambda x, w, config, **kw: configs.append(config) or skinny(x, w, config, **kw)
+    )
     check_model("cpu", torch.bfloat16, qk_norm=True)
     check_model("cpu", torch.bfloat16, qk_norm=False)
+    assert down in configs  # down went through the kernel
 
 
 @interp
@@ -1052,12 +1062,12 @@ def test_drafter_with_kernels_equals_without(monkeypatch, window, joint_rows):
 
 @interp
 def test_drafter_with_kernels_and_skinny_linear(monkeypatch):
-    """bf16, o as K-split partial products (64 x 64: two splits) that the fused layer's add_rms_norm sums,
-    and gate/up through skinny_linear: no less accurate than the PyTorch path against an fp32 run (as
-    check_model)."""
+    """bf16, o and down as K-split partial products (64 x 64 and 64 x 128: two splits) that the fused layer's
+    add_rms_norm sums, and gate/up through skinny_linear: no less accurate than the PyTorch path against an
+    fp32 run (as check_model)."""
     from ddtree.runtime import kernels
 
-    use_skinny(monkeypatch, {**TINY_SKINNY, "o": (16, 16, 2, 4, 2)})
+    use_skinny(monkeypatch, {**TINY_SKINNY, "o": (16, 16, 2, 4, 2), "down": (32, 16, 2, 4, 2)})
     skinny, configs = kernels.skinny_linear, []
     monkeypatch.setattr(
         kernels, "skinny_linear", lambda x, w, config, **kw: configs.append(config) or skinny(x, w, config, **kw)
@@ -1065,6 +1075,7 @@ def test_drafter_with_kernels_and_skinny_linear(monkeypatch):
     exact = run_drafter(kernels=False)
     got, ref = run_drafter(True, torch.bfloat16), run_drafter(False, torch.bfloat16)
     assert configs.count((16, 16, 2, 4, 2)) == 2  # o of both layers went through the kernel
+    assert configs.count((32, 16, 2, 4, 2)) == 2  # and down
     for name, a, b, x in zip(("block output", "caches"), got, ref, exact):
         err_kernels, err_torch = ((t.float() - x).norm().item() / x.norm().item() for t in (a, b))
         assert err_kernels <= min(2.5 * err_torch, 0.05), (name, err_kernels, err_torch)
@@ -1231,20 +1242,24 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
                     dict(K=4096, BLOCK_N=16, BLOCK_K=512, SILU_MUL=silu_mul, HAS_BIAS=not silu_mul, EVEN=even),
                     4,
                 )
-        for splits, gate_up in ((1, True), (2, False)):
+        for (splits, gate_up), tma in itertools.product(((1, True), (2, False)), (True, False)):
+            descs = dict(w_desc=f"tensordesc<{dtype}[64, 128]>", x_desc=f"tensordesc<{dtype}[64, 128]>")
             compile_(
                 K._skinny_linear_kernel,
                 dtype,
-                dict(out_ptr="*fp32" if splits > 1 else "*" + dtype, M="i32"),
+                dict(out_ptr="*fp32" if splits > 1 else "*" + dtype, M="i32", up_rows="i32") | (descs if tma else {}),
                 dict(
                     K_SPLIT=4096 // splits,
                     BLOCK_M=64,
                     BLOCK_N=64,
                     BLOCK_K=128,
+                    STAGES=4,
                     GATE_UP=gate_up,
+                    TMA=tma,
                     FP32_DOT=False,
                     PRECISION="ieee" if dtype == "fp32" else "tf32",
-                ),
+                )
+                | ({} if tma else dict(w_desc=None, x_desc=None)),
                 4,
             )
         for splits, tail in ((1, 16), (2, 64)):

@@ -142,7 +142,7 @@ class TritonAttention(FusedAttention):
 
     qkv_gemv = (8, 256, 4, 3)
     o_gemv = (16, 1024, 8, 3)
-    o_skinny: Config | None = (64, 128, 2, 4, 5)
+    o_skinny: Config | None = (64, 128, 2, 4, 4)
     max_tokens = 256
 
     def uses_tree_attention(self, bs: int, T: int) -> bool:
@@ -214,16 +214,18 @@ class FusedMLP(_Swapped, MLP):
 
 class TritonMLP(FusedMLP):
     """The Triton path of the MLP (shape buckets as in TritonAttention): one row: down as a GEMV that
-    applies silu(gate) * up on the fly; 2-64 rows: gate/up as a skinny GEMM with silu_mul in its epilogue;
-    otherwise cuBLAS and the silu_mul kernel. At 65-192 rows (a verify at batch 16 of up to 12 tokens
-    a sequence), down as a wide GEMM whose K-split partial sums the layer's add_rms_norm adds up, where
-    the layer does (partial_sums: TritonDecoderLayer and TritonDrafterLayer set it; a MoE's shared experts
-    and DFlash2's layers add the output themselves). Measured on an H100 (bench.wide_sweep): at 144 rows
+    applies silu(gate) * up on the fly; 2-64 rows: gate/up as a skinny GEMM with silu_mul in its epilogue,
+    and down as a skinny GEMM; otherwise cuBLAS and the silu_mul kernel, and at 65-192 rows (a verify at
+    batch 16 of up to 12 tokens a sequence) down as a wide GEMM. The skinny and wide down projections
+    return K-split partial sums for the layer's add_rms_norm to add up, where the layer does (partial_sums:
+    TritonDecoderLayer and TritonDrafterLayer set it; a MoE's shared experts and DFlash2's layers add the
+    output themselves); elsewhere down runs on cuBLAS. Measured on an H100 (bench.wide_sweep): at 144 rows
     down with its add_rms_norm 0.047 against cuBLAS's 0.049 ms a layer; q/k/v and o slower than cuBLAS,
     and down at 256 rows."""
 
     down_gemv = (8, 512, 8, 3)
-    gate_up_skinny: Config | None = (32, 64, 1, 4, 4)
+    gate_up_skinny: Config | None = (64, 128, 1, 4, 4)
+    down_skinny: Config | None = (64, 128, 2, 4, 4)
     down_wide: Config | None = (64, 128, 2, 4, 4)
     partial_sums = False
 
@@ -234,18 +236,23 @@ class TritonMLP(FusedMLP):
 
     def forward(self, x: Tensor) -> Tensor:
         rows, inter = x.numel() // x.shape[-1], self.down_proj.weight.shape[1]
-        config = self.config_for(rows)
+        config, w = self.config_for(rows), self.down_proj.weight
         if rows == 1:
-            out = kernels.gemv(F.linear(x, self.w_gate_up), self.down_proj.weight, silu_mul=True, config=self.down_gemv)
-        elif kernels.skinny_applies(rows, inter, x.shape[-1], config, x.dtype):
-            out = self.down_proj(kernels.skinny_linear(x, self.w_gate_up, config, gate_up=True))
+            out = kernels.gemv(F.linear(x, self.w_gate_up), w, silu_mul=True, config=self.down_gemv)
+            return self.tp.all_reduce(out) if self.tp else out
+        if config is not None and kernels.skinny_applies(rows, inter, x.shape[-1], config, x.dtype):
+            act = kernels.skinny_linear(x, self.w_gate_up, config, gate_up=True)
         else:
-            act, w, wide = kernels.silu_mul(F.linear(x, self.w_gate_up)), self.down_proj.weight, self.down_wide
-            # K-split parts only where the layer's add_rms_norm sums them (no all-reduce, no bias)
-            if self.partial_sums and self.tp is None and self.down_proj.bias is None and wide is not None:
-                if kernels.wide_applies(rows, w.shape[0], inter, wide, x.dtype):
-                    return kernels.wide_linear(act, w, wide)
-            out = self.down_proj(act)
+            act = kernels.silu_mul(F.linear(x, self.w_gate_up))
+        # K-split parts only where the layer's add_rms_norm sums them (no all-reduce, no bias); the skinny
+        # and wide GEMMs serve disjoint row counts
+        if self.partial_sums and self.tp is None and self.down_proj.bias is None:
+            down, wide = self.down_skinny, self.down_wide
+            if down is not None and kernels.skinny_applies(rows, w.shape[0], inter, down, x.dtype):
+                return kernels.skinny_linear(act, w, down)
+            if wide is not None and kernels.wide_applies(rows, w.shape[0], inter, wide, x.dtype):
+                return kernels.wide_linear(act, w, wide)
+        out = self.down_proj(act)
         return self.tp.all_reduce(out) if self.tp else out
 
 

@@ -35,6 +35,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: the PyTorch path is used
     triton = None
 
@@ -239,53 +240,63 @@ if triton is not None:
 
     @triton.jit
     def _skinny_linear_kernel(
-        x_ptr,
+        w_desc,
+        x_desc,
         w_ptr,
+        x_ptr,
         out_ptr,
         M,
         x_s,
         w_sn,
         out_s,
         part_s,
-        up_off,
+        up_rows,
         K_SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        STAGES: tl.constexpr,
         GATE_UP: tl.constexpr,
+        TMA: tl.constexpr,
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        # out[m, n] = sum_k x[m, k] * w[n, k] over this program's K slice, for BLOCK_N rows of w and all
-        # M (<= BLOCK_M) rows of x: each weight tile is read once and meets every row. With GATE_UP, w is
-        # [gate | up] (up_off elements apart) and the program writes silu(gate) * up for its columns
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # out[m, n] = sum_k w[n, k] * x[m, k] over this program's K slice, for BLOCK_N rows of w and all
+        # M (<= BLOCK_M) rows of x, computed transposed: the weight's rows are the dot's M side (the tensor
+        # cores' 64-row unit) and x's rows its N side, so that few rows cost few MMA columns. Each weight
+        # tile is read once, through TMA where the tensors allow it (w_desc, x_desc; x's rows past M read
+        # as zeros), else through pointers. With GATE_UP, w is [gate | up] (up_rows rows apart) and the
+        # program writes silu(gate) * up for its columns
+        n0 = tl.program_id(0) * BLOCK_N
         split = tl.program_id(1)
+        n = n0 + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
-        kk = split * K_SPLIT + tl.arange(0, BLOCK_K)
-        x_tile = x_ptr + m[:, None] * x_s + kk[None, :]
-        w_tile = w_ptr + n[None, :].to(tl.int64) * w_sn + kk[:, None]  # [BLOCK_K, BLOCK_N], w transposed
-        live = m[:, None] < M
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K_SPLIT, BLOCK_K):
-            x = tl.load(x_tile + k0, mask=live, other=0.0)
-            w = tl.load(w_tile + k0)
-            if GATE_UP:
-                up = tl.load(w_tile + up_off + k0)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in tl.range(split * K_SPLIT, (split + 1) * K_SPLIT, BLOCK_K, num_stages=STAGES):
+            if TMA:
+                w = w_desc.load([n0, k0])
+                x = x_desc.load([0, k0])
+            else:
+                w = tl.load(w_ptr + n[:, None].to(tl.int64) * w_sn + (k0 + kk)[None, :])
+                x = tl.load(x_ptr + m[:, None] * x_s + (k0 + kk)[None, :], mask=m[:, None] < M, other=0.0)
             if FP32_DOT:  # the interpreter computes bf16 dots wrongly
-                x, w = x.to(tl.float32), w.to(tl.float32)
-                if GATE_UP:
-                    up = up.to(tl.float32)
-            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+                w, x = w.to(tl.float32), x.to(tl.float32)
+            acc = tl.dot(w, x.T, acc, input_precision=PRECISION)
             if GATE_UP:
-                acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
+                if TMA:
+                    up = w_desc.load([up_rows + n0, k0])
+                else:
+                    up = tl.load(w_ptr + (up_rows + n[:, None]).to(tl.int64) * w_sn + (k0 + kk)[None, :])
+                if FP32_DOT:
+                    up = up.to(tl.float32)
+                acc_up = tl.dot(up, x.T, acc_up, input_precision=PRECISION)
         if GATE_UP:  # gate and up rounded to the model dtype first, as the unfused path has them
             gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
             acc = gate * tl.sigmoid(gate) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(
-            out_ptr + split * part_s + m[:, None] * out_s + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=live
-        )
+        out = out_ptr + split * part_s + m[None, :] * out_s + n[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m[None, :] < M)
 
     @triton.jit
     def _wide_linear_kernel(
@@ -1435,27 +1446,38 @@ def skinny_applies(
 
 
 def skinny_block_m(rows: int) -> int:
-    """skinny_linear's row tile: 16 (tl.dot's minimum) or 64. For 17-32 rows a tile of 32 measured
-    slower than one of 64 in whole forwards of the 8B shape on an H200 (docs/engine.md, "Fused
-    kernels")."""
-    return 16 if rows <= 16 else 64
+    """skinny_linear's row tile (the MMA's N side): the smallest power of two of 16 or more that holds the
+    rows."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int], gate_up: bool = False) -> Tensor:
-    """F.linear(x, weight) for a few rows (a verify forward at batch 1), as one kernel.
+def _tma_loads(t: Tensor) -> bool:
+    """A 2-D tensor TMA can read: 16-byte aligned start and row stride, contiguous rows."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
 
-    At 33 rows it reads the o and gate/up weights of the 8B shape closer to their HBM time than cuBLAS
-    does (o as two partial products in one batched GEMM; gate/up followed by silu_mul), measured on an
-    H200 (docs/engine.md, "Fused kernels"). Each program streams BLOCK_N rows of the
-    weight through tl.dot with all the rows of x (on a row tile of skinny_block_m), with no reduction
-    kernel. With K splits > 1 it returns the unsummed partial products [splits, *x.shape[:-1], N] in
-    fp32, for add_rms_norm to add up. gate_up=True takes the fused [gate | up] weight and returns
-    silu(gate) * up [..., N / 2], which saves the silu_mul kernel."""
+
+def skinny_linear(
+    x: Tensor,
+    weight: Tensor,
+    config: tuple[int, int, int, int, int],
+    gate_up: bool = False,
+    tma: bool | None = None,
+) -> Tensor:
+    """F.linear(x, weight) for a few rows (a verify forward at batch 1, a drafter's block), as one kernel.
+
+    Each program streams BLOCK_N rows of the weight through tl.dot against all the rows of x, computed
+    transposed so that the weight's rows fill the tensor cores' 64-row side and x's rows (on a row tile of
+    skinny_block_m) the other, and loads both through TMA where their layout allows (`tma`: None, where
+    it does; False, pointer loads), with no reduction kernel. At 33 rows of the 8B shape it reads o,
+    gate/up and down closer to their copy-bandwidth time than cuBLAS (docs/engine.md, "Fused kernels").
+    With K splits > 1 it returns the unsummed partial products [splits, *x.shape[:-1], N] in fp32, for
+    add_rms_norm to add up. gate_up=True takes the fused [gate | up] weight and returns silu(gate) * up
+    [..., N / 2], which saves the silu_mul kernel."""
     block_n, block_k, splits, warps, stages = config
     *lead, k = x.shape
     n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
     x2 = x.reshape(-1, k)
-    rows = x2.shape[0]
+    rows, block_m = x2.shape[0], skinny_block_m(x2.shape[0])
     assert weight.shape[1] == k and weight.stride(-1) == 1 and x2.stride(-1) == 1
     assert skinny_applies(rows, n_out, k, config, weight.dtype) and not (gate_up and splits > 1), (
         rows,
@@ -1463,26 +1485,33 @@ def skinny_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, i
         k,
         config,
     )
+    if tma is None:
+        tma = _tma_loads(x2) and _tma_loads(weight)
+    w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k]) if tma else None
+    x_desc = TensorDescriptor.from_tensor(x2, [block_m, block_k]) if tma else None
     out = torch.empty(splits, rows, n_out, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
     _skinny_linear_kernel[(n_out // block_n, splits)](
-        x2,
+        w_desc,
+        x_desc,
         weight,
+        x2,
         out,
         rows,
         x2.stride(0),
         weight.stride(0),
         out.stride(1),
         out.stride(0),
-        n_out * weight.stride(0),
+        n_out,
         K_SPLIT=k // splits,
-        BLOCK_M=skinny_block_m(rows),
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        STAGES=stages,
         GATE_UP=gate_up,
+        TMA=tma,
         FP32_DOT=x.device.type == "cpu",
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps,
-        num_stages=stages,
     )
     return out.view(splits, *lead, n_out) if splits > 1 else out.view(*lead, n_out)
 
