@@ -1504,6 +1504,8 @@ def compiled_skinny_linear(dtype):
     for case in SKINNY_CASES + [
         (33, 4096, 4096, TritonAttention.o_skinny, False),
         (17, 12288, 4096, TritonMLP.gate_up_skinny, True),
+        (9, 4096, 12288, TritonMLP.down_skinny, False),
+        (33, 4096, 12288, TritonMLP.down_skinny, False),
     ]:
         check_skinny_linear("cuda", torch.float16 if dtype == torch.float32 else dtype, *case)  # 16-bit only
 
