@@ -1452,7 +1452,11 @@ def skinny_block_m(rows: int) -> int:
 
 
 def _tma_loads(t: Tensor) -> bool:
-    """A 2-D tensor TMA can read: 16-byte aligned start and row stride, contiguous rows."""
+    """A 2-D tensor TMA can read: 16-byte aligned start and row stride, contiguous rows, on a GPU with TMA
+    (Hopper on; older GPUs take the pointer loads, which Triton would otherwise emulate; the interpreter
+    runs either)."""
+    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+        return False
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
 
 
