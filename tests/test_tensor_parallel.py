@@ -57,6 +57,16 @@ def test_tp2_equals_tp1_on_a_tiny_model(replicate_drafter):
     assert launch(2, tiny_rank, replicate_drafter) == expected
 
 
+def large_result_rank(rank, world):
+    return list(range(200_000)) if rank == 0 else None
+
+
+def test_launch_returns_a_result_larger_than_a_pipe_holds():
+    """Rank 0's result (about 1 MB pickled) is read while the ranks run: a reader that waits for them first
+    leaves rank 0 blocked in put() for ever."""
+    assert launch(2, large_result_rank) == list(range(200_000))
+
+
 @pytest.mark.slow  # four CLI runs, two of them two processes: about 25 s on 2 cores
 def test_generate_on_a_random_model_is_the_same_split_or_not():
     """`ddtree generate --model random:tiny --drafter random:2` (cost runs need no checkpoint): TP 2, with

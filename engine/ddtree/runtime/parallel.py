@@ -177,8 +177,13 @@ def launch(world: int, fn, *args, device_type: str = "cpu"):
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank_main, args=(world, free_port(), device_type, fn, args, queue), nprocs=world, join=True)
-    return queue.get()
+    ranks = mp.spawn(_rank_main, args=(world, free_port(), device_type, fn, args, queue), nprocs=world, join=False)
+    # rank 0 cannot finish put() until the result is read (a pipe holds 64 KiB): read it while joining
+    result, got = None, False
+    while not ranks.join(timeout=0.1):  # raises if a rank failed
+        if not got and not queue.empty():
+            result, got = queue.get(), True
+    return result if got else queue.get()
 
 
 def _rank_main(rank: int, world: int, port: int, device_type: str, fn, args, queue) -> None:
