@@ -240,7 +240,7 @@ class TritonMLP(FusedMLP):
         if rows == 1:
             out = kernels.gemv(F.linear(x, self.w_gate_up), w, silu_mul=True, config=self.down_gemv)
             return self.tp.all_reduce(out) if self.tp else out
-        if config is not None and kernels.skinny_applies(rows, inter, x.shape[-1], config, x.dtype):
+        if kernels.skinny_applies(rows, inter, x.shape[-1], config, x.dtype):
             act = kernels.skinny_linear(x, self.w_gate_up, config, gate_up=True)
         else:
             act = kernels.silu_mul(F.linear(x, self.w_gate_up))
@@ -248,9 +248,9 @@ class TritonMLP(FusedMLP):
         # and wide GEMMs serve disjoint row counts
         if self.partial_sums and self.tp is None and self.down_proj.bias is None:
             down, wide = self.down_skinny, self.down_wide
-            if down is not None and kernels.skinny_applies(rows, w.shape[0], inter, down, x.dtype):
+            if kernels.skinny_applies(rows, w.shape[0], inter, down, x.dtype):
                 return kernels.skinny_linear(act, w, down)
-            if wide is not None and kernels.wide_applies(rows, w.shape[0], inter, wide, x.dtype):
+            if kernels.wide_applies(rows, w.shape[0], inter, wide, x.dtype):
                 return kernels.wide_linear(act, w, wide)
         out = self.down_proj(act)
         return self.tp.all_reduce(out) if self.tp else out

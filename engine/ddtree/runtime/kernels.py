@@ -1452,12 +1452,14 @@ def skinny_block_m(rows: int) -> int:
 
 
 def _tma_loads(t: Tensor) -> bool:
-    """A 2-D tensor TMA can read: 16-byte aligned start and row stride, contiguous rows, on a GPU with TMA
-    (Hopper on; older GPUs take the pointer loads, which Triton would otherwise emulate; the interpreter
-    runs either)."""
-    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
-        return False
+    """A 2-D tensor TMA can read: 16-byte aligned start and row stride, contiguous rows."""
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Hopper and newer GPUs; older ones take the pointer loads, which Triton would otherwise emulate. The
+    interpreter runs either."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def skinny_linear(
@@ -1490,7 +1492,7 @@ def skinny_linear(
         config,
     )
     if tma is None:
-        tma = _tma_loads(x2) and _tma_loads(weight)
+        tma = _has_tma(x.device) and _tma_loads(x2) and _tma_loads(weight)
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k]) if tma else None
     x_desc = TensorDescriptor.from_tensor(x2, [block_m, block_k]) if tma else None
     out = torch.empty(splits, rows, n_out, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
