@@ -12,12 +12,15 @@ import pytest
 def compile_sm90(fn, consts: dict, types: dict | None = None, pointer="bf16", warps=4, stages=3, divisible=False):
     """`fn` compiled for sm_90a with the constexprs `consts`; the other arguments typed by `types`, else as
     pointers to `pointer` (names ending in _ptr) or i64. divisible: every pointer and integer argument
-    divisible by 16, as Triton specialises them at run time when they are (it changes the SASS)."""
+    divisible by 16, as Triton specialises them at run time when they are (it changes the SASS). A kernel
+    with a PDL constexpr is compiled with it on, as kernels.pdl() launches it on sm_90."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     types = types or {}
+    if "PDL" in fn.arg_names:
+        consts = {"PDL": True} | consts
     sig = {
         n: "constexpr" if n in consts else types.get(n, f"*{pointer}" if n.endswith("_ptr") else "i64")
         for n in fn.arg_names

@@ -1178,7 +1178,7 @@ def test_the_batch_16_verify_attention_fits_three_programs_an_sm(tmp_path):
     from triton.compiler import ASTSource
 
     consts = dict(H=32, GROUP=4, D=128, DIRECT=True, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, HAS_ROWS=False)
-    consts |= dict(FP32_DOT=False, PRECISION="tf32")
+    consts |= dict(FP32_DOT=False, PRECISION="tf32", PDL=True)
     pointers = dict(map_ptr="*i32", mask_ptr="*i8", bounds_ptr="*i32", rows_ptr="*i8", acc_ptr="*fp32")
     pointers |= dict(ml_ptr="*fp32", scale="fp32")
     # a round's values (bench, random:qwen3-8b, batch 16, B=32): span 1505 padded to 1520 in the mask's rows

@@ -39,6 +39,17 @@ def test_split_phases_names_each_phase_after_the_marker_that_closes_it():
     assert out["marked_round_ms"] == pytest.approx(0.040 + 0.001 + 0.104 + 0.001 + 0.002)  # the inner markers count
 
 
+def test_split_phases_counts_an_early_launched_kernel_from_the_end_of_the_one_before_it():
+    """Under programmatic dependent launch a kernel starts while the one before it runs and waits for it:
+    the overlap is counted once, so kernel time plus gaps stays the phase's span."""
+    marker = f"void {MARKER}(long)"
+    # gemm 2..32; norm launched at 20, waits, ends at 36; silu launched at 30, inside norm's span, ends at 34
+    events = [(marker, 0, 1), ("gemm", 2, 32), ("norm", 20, 36), ("silu", 30, 34), (marker, 37, 38)]
+    draft = split_phases(events, ["start", "draft"], replays=1)["phases"]["draft"]
+    assert draft["kernel_ms"] == pytest.approx(0.034) and draft["gap_ms"] == pytest.approx(0.002)
+    assert draft["heaviest"] == [["gemm", 0.03, 1.0], ["norm", 0.004, 1.0], ["silu", 0.0, 1.0]]
+
+
 def test_split_phases_refuses_a_trace_without_the_graphs_kernels():
     with pytest.raises(RuntimeError, match="profiler did not see the graph's kernels"):
         split_phases([("cudaGraphLaunch", 0, 5)], ["start", "verify"], replays=3)

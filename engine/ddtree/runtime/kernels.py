@@ -35,6 +35,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: the PyTorch path is used
     triton = None
@@ -53,7 +54,23 @@ def available(device: torch.device | str) -> bool:
     return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def pdl(device: torch.device) -> dict[str, bool]:
+    """A launch's programmatic-dependent-launch arguments: on Hopper and newer GPUs the kernel's programs
+    are launched while the kernel before it in the stream finishes, and wait for it in-kernel
+    (_after_previous_kernel), which hides the launch and the ramp-up between two kernels."""
+    on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": on, "launch_pdl": on}
+
+
 if triton is not None:
+
+    @triton.jit
+    def _after_previous_kernel(PDL: tl.constexpr):
+        # launched with pdl(), a kernel may start before the one ahead of it has finished: it waits for it
+        # before reading or writing memory, then lets the next kernel's programs be launched
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def _rms_halves(x1, x2, w_ptr, d, mask, HALF: tl.constexpr, eps):
@@ -144,7 +161,9 @@ if triton is not None:
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _after_previous_kernel(PDL)
         # one program per token and block of QH query heads or KH KV heads (the v copy with them): the
         # query blocks first, then the KV blocks. qk_norm_rope_kv picks all of a token's heads per program
         # (cos/sin and the slot read once per token, whole rows of q/k/v moved) or one head per program
@@ -185,7 +204,8 @@ if triton is not None:
             tl.store(vdst + HALF, tl.load(vsrc + HALF, mask=km, other=0.0).to(vc_ptr.dtype.element_ty), mask=km)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, gu_s, out_s, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, gu_s, out_s, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _after_previous_kernel(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < inter
@@ -207,7 +227,9 @@ if triton is not None:
         SILU_MUL: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         EVEN: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _after_previous_kernel(PDL)
         # out[n] = sum_k w[n, k] * x[k] for BLOCK_N rows of w; with SILU_MUL, x = silu(gate) * up is
         # made here from the gate/up GEMV output [gate | up] (each program redoes its slice; it is tiny)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -260,7 +282,9 @@ if triton is not None:
         TMA: tl.constexpr,
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _after_previous_kernel(PDL)
         # out[m, n] = sum_k w[n, k] * x[m, k] over this program's K slice, for BLOCK_N rows of w and all
         # M (<= BLOCK_M) rows of x, computed transposed: the weight's rows are the dot's M side (the tensor
         # cores' 64-row unit) and x's rows its N side, so that few rows cost few MMA columns. Each weight
@@ -315,7 +339,9 @@ if triton is not None:
         TAIL_M: tl.constexpr,
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _after_previous_kernel(PDL)
         # out[m, n] = sum_k w[n, k] * x[m, k] over this program's K slice, computed transposed: BLOCK_N
         # rows of w are the dot's M side (the tensor cores' 64-row unit) and x's rows its N side, which
         # takes any multiple of 8. The rows are two tiles of powers of two, HEAD_M then TAIL_M, so that
@@ -359,7 +385,9 @@ if triton is not None:
         part_s,
         BLOCK: tl.constexpr,
         PARTS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _after_previous_kernel(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < N
@@ -574,7 +602,9 @@ if triton is not None:
         HAS_ROWS: tl.constexpr,
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _after_previous_kernel(PDL)
         # program (sequence b, the GROUP query heads of KV head kvh, a block of their rows, key chunk s):
         # a softmax over that chunk's keys, kept unnormalised with its row max and row sum for the combine
         # kernel (flash-decoding). Row r is query head kvh * GROUP + r % GROUP of token r // GROUP: the
@@ -688,7 +718,9 @@ if triton is not None:
         D: tl.constexpr,
         S_PAD: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _after_previous_kernel(PDL)
         bh = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1)
         b = bh // H
@@ -1336,6 +1368,7 @@ def qk_norm_rope_kv(
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
         HAS_NORM=norm,
+        **pdl(q.device),
         num_warps=min(8, max(1, max(qh, kh) * half // 512)) if whole else (1 if half <= 64 else 2),
     )
     return out
@@ -1350,7 +1383,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     if gu.shape[0]:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
-            gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block, num_warps=4
+            gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block, **pdl(gu.device), num_warps=4
         )
     return out.view(*gate_up.shape[:-1], inter)
 
@@ -1388,6 +1421,7 @@ def gemv(
         SILU_MUL=silu_mul,
         HAS_BIAS=bias is not None,
         EVEN=n_out % block_n == 0 and k % block_k == 0,
+        **pdl(x.device),
         num_warps=warps,
         num_stages=stages,
     )
@@ -1419,6 +1453,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
             x3.stride(0),
             BLOCK=block,
             PARTS=parts,
+            **pdl(r2.device),
             num_warps=min(16, max(1, block // 512)),
         )
     return normed.view(residual.shape), res.view(residual.shape)
@@ -1517,6 +1552,7 @@ def skinny_linear(
         TMA=tma,
         FP32_DOT=x.device.type == "cpu",
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **pdl(x.device),
         num_warps=warps,
     )
     return out.view(splits, *lead, n_out) if splits > 1 else out.view(*lead, n_out)
@@ -1572,6 +1608,7 @@ def wide_linear(x: Tensor, weight: Tensor, config: tuple[int, int, int, int, int
         TAIL_M=tail,
         FP32_DOT=x.device.type == "cpu",
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **pdl(x.device),
         num_warps=warps,
         num_stages=stages,
     )
@@ -1718,6 +1755,7 @@ def combine_chunks(acc: Tensor, ml: Tensor, out: Tensor, splits: int) -> None:
         D=hd,
         S_PAD=triton.next_power_of_2(splits),
         BLOCK_D=block_d,
+        **pdl(out.device),
         num_warps=1 if block_d <= 64 else 2 if block_d <= 128 else 4,
     )
 
@@ -1817,6 +1855,7 @@ def attention(
         HAS_ROWS=rows is not None,
         FP32_DOT=q.device.type == "cpu",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **pdl(q.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )

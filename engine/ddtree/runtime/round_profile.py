@@ -3,7 +3,9 @@
 A graph replay is one launch, so host-side timing cannot split it. `profile_round` captures the round
 once more with a marker kernel at each phase boundary (`Engine._mark`: start, draft, tree, verify, walk,
 commit), replays it under the profiler, and splits the device trace at the markers: per phase the kernels
-it launched, their time, and the gaps between them (launch latency inside the graph, dependencies).
+it launched, their time, and the gaps between them (launch latency inside the graph, dependencies). A
+kernel's time runs from the end of the kernel before it, where it started earlier (programmatic
+dependent launch), so kernel time plus gaps is the phase's span.
 
 `phase_floors` gives each phase's lower bound from the bytes it must move and the FLOPs it must do, at
 the device's measured copy bandwidth and matmul throughput: the draft reads the drafter's weights, the
@@ -56,10 +58,15 @@ def split_phases(events: list[tuple[str, float, float]], marks: list[str], repla
             stats = phases[name]
             stats["kernels"] += len(inside)
             stats["wall_ms"] += (events[at[j]][1] - events[at[j - 1]][2]) / 1000
+            # a kernel counts from the end of the one before it: launched early (kernels.pdl), its programs
+            # wait for that one first, so the phase's kernel time is the span its kernels keep the GPU busy
+            busy_until = events[at[j - 1]][2]
             for kernel, start, end in inside:
-                stats["kernel_ms"] += (end - start) / 1000
+                ms = max(0.0, end - max(start, busy_until)) / 1000
+                busy_until = max(busy_until, end)
+                stats["kernel_ms"] += ms
                 entry = by_kernel[name][kernel[:90]]
-                entry[0] += (end - start) / 1000
+                entry[0] += ms
                 entry[1] += 1
     out = {}
     for name, stats in phases.items():
