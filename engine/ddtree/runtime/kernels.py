@@ -19,7 +19,8 @@ rows (a verify at batch 16), `wide_linear` runs the down projection, its K-split
 The pure-PyTorch forwards of ddtree.models stay the reference and the CPU path; ddtree.runtime.fused
 swaps these kernels in. Arithmetic is in fp32 with
 one rounding to the output dtype, so results agree with the reference to bf16 rounding, not bitwise.
-Launches read no tensor values on the host: everything is CUDA-graph capturable. With
+Launches read no tensor values on the host: everything is CUDA-graph capturable. On Hopper and newer
+GPUs the per-layer kernels launch with programmatic dependent launch (`pdl`). With
 TRITON_INTERPRET=1 set before triton is imported, the same kernels run on CPU tensors (the tests).
 """
 
