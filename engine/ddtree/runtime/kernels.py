@@ -26,6 +26,7 @@ TRITON_INTERPRET=1 set before triton is imported, the same kernels run on CPU te
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -55,11 +56,17 @@ def available(device: torch.device | str) -> bool:
     return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+@functools.cache
+def _hopper_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9 or more (asked once per device: every launch asks)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pdl(device: torch.device) -> dict[str, bool]:
     """A launch's programmatic-dependent-launch arguments: on Hopper and newer GPUs the kernel's programs
     are launched while the kernel before it in the stream finishes, and wait for it in-kernel
     (_after_previous_kernel), which hides the launch and the ramp-up between two kernels."""
-    on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    on = _hopper_or_newer(device)
     return {"PDL": on, "launch_pdl": on}
 
 
@@ -1495,7 +1502,7 @@ def _tma_loads(t: Tensor) -> bool:
 def _has_tma(device: torch.device) -> bool:
     """Hopper and newer GPUs; older ones take the pointer loads, which Triton would otherwise emulate. The
     interpreter runs either."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type != "cuda" or _hopper_or_newer(device)
 
 
 def skinny_linear(
