@@ -681,11 +681,11 @@ def check_model(device, dtype, qk_norm):
     # bf16: the two paths round at different points (the kernels compute in fp32 and round once), so
     # compare both with an fp32 run of the same weights: the kernels must be no less accurate than torch
     # (relative Frobenius error; the interpreter truncates to bf16 where compiled Triton rounds, hence 2.5x;
-    # 3x for the taps, whose last layer is the final norm's output, where truncation costs most)
+    # 3.5x for the taps, whose last layer is the final norm's output, where truncation costs most)
     exact = run_model(copy.deepcopy(model).float(), kernels=False)
     for name, a, b, x in zip(("logits", "one-row logits", "taps", "k cache", "v cache"), got, ref, exact):
         err_kernels, err_torch = ((t.float() - x).norm().item() / x.norm().item() for t in (a, b))
-        slack = 3.0 if name == "taps" else 2.5
+        slack = 3.5 if name == "taps" else 2.5
         assert err_kernels <= min(slack * err_torch, 0.05), (name, err_kernels, err_torch)
 
 
@@ -735,13 +735,19 @@ def test_model_with_kernels_equals_without(qk_norm):
     check_model("cpu", torch.bfloat16, qk_norm)
 
 
-# skinny_linear configurations the tiny models' o (48 x 48) and gate/up (80 x 48) fit; the shipped ones are for
-# the 8B shape, so that test_model_with_kernels_equals_without leaves these projections on torch
-TINY_SKINNY = {"o": (16, 16, 3, 4, 2), "gate_up": (16, 16, 1, 4, 2), "down": (16, 16, 5, 4, 2)}
+# skinny_linear configurations the tiny models' q/k/v (96 x 48), o (48 x 48) and gate/up (80 x 48) fit; the
+# shipped ones are for the 8B shape, so that test_model_with_kernels_equals_without leaves these projections on torch
+TINY_SKINNY = {
+    "qkv": (32, 16, 1, 4, 2),
+    "o": (16, 16, 3, 4, 2),
+    "gate_up": (16, 16, 1, 4, 2),
+    "down": (16, 16, 5, 4, 2),
+}
 
 
 def use_skinny(monkeypatch, configs: dict) -> None:
-    """skinny_linear configurations of the o, gate/up and down projections (a missing one: cuBLAS)."""
+    """skinny_linear configurations of the q/k/v, o, gate/up and down projections (a missing one: cuBLAS)."""
+    monkeypatch.setattr(TritonAttention, "qkv_skinny", configs.get("qkv"))
     monkeypatch.setattr(TritonAttention, "o_skinny", configs.get("o"))
     monkeypatch.setattr(TritonMLP, "gate_up_skinny", configs.get("gate_up"))
     monkeypatch.setattr(TritonMLP, "down_skinny", configs.get("down"))
@@ -763,6 +769,7 @@ def test_model_with_kernels_and_skinny_linear(monkeypatch, o_splits):
     check_model("cpu", torch.bfloat16, qk_norm=True)
     check_model("cpu", torch.bfloat16, qk_norm=False)
     assert down in configs  # down went through the kernel
+    assert TINY_SKINNY["qkv"] in configs  # and q/k/v (the model without q/k/v biases)
 
 
 @interp
@@ -1076,6 +1083,7 @@ def test_drafter_with_kernels_and_skinny_linear(monkeypatch):
     got, ref = run_drafter(True, torch.bfloat16), run_drafter(False, torch.bfloat16)
     assert configs.count((16, 16, 2, 4, 2)) == 2  # o of both layers went through the kernel
     assert configs.count((32, 16, 2, 4, 2)) == 2  # and down
+    assert (32, 16, 1, 4, 2) in configs  # and q/k/v
     for name, a, b, x in zip(("block output", "caches"), got, ref, exact):
         err_kernels, err_torch = ((t.float() - x).norm().item() / x.norm().item() for t in (a, b))
         assert err_kernels <= min(2.5 * err_torch, 0.05), (name, err_kernels, err_torch)
@@ -1502,6 +1510,8 @@ def compiled_gemv(dtype):
 
 def compiled_skinny_linear(dtype):
     for case in SKINNY_CASES + [
+        (33, 6144, 4096, TritonAttention.qkv_skinny, False),
+        (49, 6144, 4096, TritonAttention.qkv_skinny, False),
         (33, 4096, 4096, TritonAttention.o_skinny, False),
         (17, 12288, 4096, TritonMLP.gate_up_skinny, True),
         (9, 4096, 12288, TritonMLP.down_skinny, False),

@@ -111,6 +111,15 @@ def skinny_o(out: Tensor, o_proj: nn.Linear, tp, config: Config | None) -> Tenso
     return kernels.skinny_linear(out, w, config)
 
 
+def skinny_qkv(x: Tensor, wqkv: Tensor, bqkv: Tensor | None, config: Config | None) -> Tensor:
+    """The fused q/k/v projection of x: the skinny GEMM (whole, not K-split) where it serves the shape and
+    there is no bias, else cuBLAS."""
+    rows = x.shape[0] * x.shape[1]
+    if bqkv is None and kernels.skinny_applies(rows, wqkv.shape[0], wqkv.shape[1], config, x.dtype):
+        return kernels.skinny_linear(x, wqkv, config)
+    return F.linear(x, wqkv, bqkv)
+
+
 class FusedAttention(_FusedQKV, Attention):
     """q, k and v from one GEMM."""
 
@@ -134,13 +143,14 @@ class TritonAttention(FusedAttention):
     """The Triton path of attention. Shape buckets (measured on the Qwen3-8B shape on an H200,
     2026-11-29, commits e728955 and 108c21a; docs/engine.md, "Fused kernels"):
     - one row (a batch-1 decode step): q/k/v and o as GEMVs, (BLOCK_N, BLOCK_K, warps, stages) below;
-    - 2-64 rows: o as a skinny GEMM whose K-split partial sums the next add_rms_norm adds up
-      (BLOCK_N, BLOCK_K, K splits, warps, stages), when it divides the weight; q/k/v stay on cuBLAS;
+    - 2-64 rows: q/k/v as a skinny GEMM and o as one whose K-split partial sums the next add_rms_norm adds
+      up (BLOCK_N, BLOCK_K, K splits, warps, stages), when it divides the weight;
     - the paged tree attention for 1..max_tokens query tokens per sequence (decode steps and every tree up
       to B = 255; an `ar` round at batch 64 took 8.44 ms with it, 33.4 ms through SDPA over keys gathered
       by the slot map, on an H200, 2026-12-03); SDPA over gathered keys for longer prefill chunks."""
 
     qkv_gemv = (8, 256, 4, 3)
+    qkv_skinny: Config | None = (64, 128, 1, 4, 4)
     o_gemv = (16, 1024, 8, 3)
     o_skinny: Config | None = (64, 128, 2, 4, 4)
     max_tokens = 256
@@ -155,7 +165,7 @@ class TritonAttention(FusedAttention):
     def qkv(self, x: Tensor) -> Tensor:
         if x.shape[0] * x.shape[1] == 1:
             return kernels.gemv(x, self.wqkv, self.bqkv, config=self.qkv_gemv)
-        return F.linear(x, self.wqkv, self.bqkv)
+        return skinny_qkv(x, self.wqkv, self.bqkv, self.qkv_skinny)
 
     def rotate_and_cache(
         self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, rows: Tensor | None
@@ -620,9 +630,8 @@ class TritonDrafterAttention(_FusedQKV, DrafterAttention):
         if ctx is None or x.shape[0] * (x.shape[1] + ctx.shape[1]) > self.joint_rows:
             return super().forward(x, ctx, rope_blk, rope_ctx, blk_slots, ctx_slots, mask, meta)
         T = x.shape[1]
-        q, k, v = self._split(
-            F.linear(torch.cat([x, ctx], dim=1), self.wqkv, self.bqkv), (self.n_heads, self.n_kv, self.n_kv)
-        )
+        qkv = skinny_qkv(torch.cat([x, ctx], dim=1), self.wqkv, self.bqkv, TritonAttention.qkv_skinny)
+        q, k, v = self._split(qkv, (self.n_heads, self.n_kv, self.n_kv))
         self._cache_context(k[:, T:], v[:, T:], rope_ctx, ctx_slots)
         q = self._rotate_and_cache(q[:, :T], k[:, :T], v[:, :T], rope_blk, blk_slots)
         return self.output(self.attend(q, mask, meta))
@@ -634,7 +643,8 @@ class TritonDrafterAttention(_FusedQKV, DrafterAttention):
         )
 
     def rotate_and_cache(self, x: Tensor, rope_blk: tuple[Tensor, Tensor], blk_slots: Tensor) -> Tensor:
-        q, k, v = self._split(F.linear(x, self.wqkv, self.bqkv), (self.n_heads, self.n_kv, self.n_kv))
+        qkv = skinny_qkv(x, self.wqkv, self.bqkv, TritonAttention.qkv_skinny)
+        q, k, v = self._split(qkv, (self.n_heads, self.n_kv, self.n_kv))
         return self._rotate_and_cache(q, k, v, rope_blk, blk_slots)
 
     def _rotate_and_cache(

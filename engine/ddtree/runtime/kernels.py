@@ -12,7 +12,7 @@ and, for a batch-1 decode step, `gemv` replaces cuBLAS's split-K GEMMs for one r
 into the down projection). `attention` (with `mask_bounds`, once per forward), `best_first_tree`
 (with `row_top_logprobs` for few rows), `walk`, `commit_path` and `move_slots` replace SDPA over the tree
 mask and the many small kernels of the DDTree tree, the walk and the commit. For 2-64 rows (a verify
-forward), `skinny_linear` runs the o projection (as K-split partial products that add_rms_norm sums) and
+forward), `skinny_linear` runs the q/k/v and o projections (o as K-split partial products that add_rms_norm sums) and
 the gate/up projection (with silu_mul folded in) closer to the HBM bound than cuBLAS does; for 65-192
 rows (a verify at batch 16), `wide_linear` runs the down projection, its K-split parts summed the same way.
 
