@@ -1247,15 +1247,7 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
                     K._gemv_kernel,
                     dtype,
                     dict(N="i32", w_sn="i32"),
-                    dict(
-                        K=4096,
-                        BLOCK_N=16,
-                        BLOCK_K=512,
-                        SILU_MUL=silu_mul,
-                        HAS_BIAS=not silu_mul,
-                        EVEN=even,
-                        PREFETCH=K.prefetch_columns(4096, 2048),
-                    ),
+                    dict(K=4096, BLOCK_N=16, BLOCK_K=512, SILU_MUL=silu_mul, HAS_BIAS=not silu_mul, EVEN=even),
                     4,
                 )
         for (splits, gate_up), tma in itertools.product(((1, True), (2, False)), (True, False)):
@@ -1274,7 +1266,6 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
                     TMA=tma,
                     FP32_DOT=False,
                     PRECISION="ieee" if dtype == "fp32" else "tf32",
-                    PREFETCH=K.prefetch_columns(4096 // splits, 4 * 128),
                 )
                 | ({} if tma else dict(w_desc=None, x_desc=None)),
                 4,

@@ -70,14 +70,6 @@ def pdl(device: torch.device) -> dict[str, bool]:
     return {"PDL": on, "launch_pdl": on}
 
 
-def prefetch_columns(k: int, most: int) -> int:
-    """How many leading columns of its weight rows an early-launched GEMM program asks L2 for before it waits
-    for the kernel ahead of it: the largest power of two of 64 or more within `most` and the row's `k`
-    columns (0: none)."""
-    columns = 1 << (min(k, most).bit_length() - 1) if min(k, most) > 0 else 0
-    return columns if columns >= 64 else 0
-
-
 if triton is not None:
 
     @triton.jit
@@ -87,15 +79,6 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        # a hint that brings the 128-byte lines at ptrs into L2 (unmasked: every address must be valid); an
-        # early-launched kernel issues it for its first weight tiles before _after_previous_kernel, as the
-        # weights do not depend on the kernel before it, so that reading them overlaps that kernel's tail
-        tl.inline_asm_elementwise(
-            "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
 
     @triton.jit
     def _rms_halves(x1, x2, w_ptr, d, mask, HALF: tl.constexpr, eps):
@@ -253,15 +236,12 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         EVEN: tl.constexpr,
         PDL: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
+        _after_previous_kernel(PDL)
         # out[n] = sum_k w[n, k] * x[k] for BLOCK_N rows of w; with SILU_MUL, x = silu(gate) * up is
         # made here from the gate/up GEMV output [gate | up] (each program redoes its slice; it is tiny)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
-        if PDL and EVEN and PREFETCH > 0:  # the first PREFETCH columns of this program's rows, 64 to a line
-            _prefetch_l2(w_ptr + n[:, None].to(tl.int64) * w_sn + (tl.arange(0, PREFETCH // 64) * 64)[None, :])
-        _after_previous_kernel(PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + kk
@@ -311,16 +291,7 @@ if triton is not None:
         FP32_DOT: tl.constexpr,
         PRECISION: tl.constexpr,
         PDL: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
-        n0 = tl.program_id(0) * BLOCK_N
-        split = tl.program_id(1)
-        n = n0 + tl.arange(0, BLOCK_N)
-        if PDL and PREFETCH > 0:  # the first PREFETCH columns of this program's rows, 64 to a line
-            lines = split * K_SPLIT + tl.arange(0, PREFETCH // 64) * 64
-            _prefetch_l2(w_ptr + n[:, None].to(tl.int64) * w_sn + lines[None, :])
-            if GATE_UP:
-                _prefetch_l2(w_ptr + (up_rows + n[:, None]).to(tl.int64) * w_sn + lines[None, :])
         _after_previous_kernel(PDL)
         # out[m, n] = sum_k w[n, k] * x[m, k] over this program's K slice, for BLOCK_N rows of w and all
         # M (<= BLOCK_M) rows of x, computed transposed: the weight's rows are the dot's M side (the tensor
@@ -328,6 +299,9 @@ if triton is not None:
         # tile is read once, through TMA where the tensors allow it (w_desc, x_desc; x's rows past M read
         # as zeros), else through pointers. With GATE_UP, w is [gate | up] (up_rows rows apart) and the
         # program writes silu(gate) * up for its columns
+        n0 = tl.program_id(0) * BLOCK_N
+        split = tl.program_id(1)
+        n = n0 + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -1456,7 +1430,6 @@ def gemv(
         HAS_BIAS=bias is not None,
         EVEN=n_out % block_n == 0 and k % block_k == 0,
         **pdl(x.device),
-        PREFETCH=prefetch_columns(k, 2048),
         num_warps=warps,
         num_stages=stages,
     )
@@ -1588,7 +1561,6 @@ def skinny_linear(
         FP32_DOT=x.device.type == "cpu",
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **pdl(x.device),
-        PREFETCH=prefetch_columns(k // splits, 4 * block_k),
         num_warps=warps,
     )
     return out.view(splits, *lead, n_out) if splits > 1 else out.view(*lead, n_out)
