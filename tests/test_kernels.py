@@ -1191,7 +1191,7 @@ def test_the_batch_16_verify_attention_fits_three_programs_an_sm(tmp_path):
     pointers |= dict(ml_ptr="*fp32", scale="fp32")
     # a round's values (bench, random:qwen3-8b, batch 16, B=32): span 1505 padded to 1520 in the mask's rows
     values = dict(T=33, span=1505, SPLITS=1, ROW_BLOCKS=3, CHUNK=2048, q_sb=135168, q_sh=4224, q_st=128)
-    values |= dict(k_sh=3113088, k_ss=128, v_sh=3113088, v_ss=128, map_sb=1506, m_sb=50160, m_st=1520, m_ss=1)
+    values |= dict(k_sh=3113088, k_ss=128, v_sh=3113088, map_sb=1506, m_sb=50160, m_st=1520, m_ss=1)
     values |= dict(rows_s=0, o_sb=135168, o_st=4096, o_sh=128)
     types = {
         n: "constexpr" if n in consts else pointers.get(n, "*bf16" if n.endswith("_ptr") else "i32")

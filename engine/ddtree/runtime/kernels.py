@@ -494,20 +494,21 @@ if triton is not None:
         # one block of keys into the running softmax of a block of query rows (flash attention)
         if FP32_DOT:  # the interpreter computes bf16 dots wrongly
             k, v = k.to(tl.float32), v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        return _online_softmax(scores, v, seen, m_i, l_i, acc, MASKED, PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        return _online_softmax(scores, v, seen, m_i, l_i, acc, MASKED, PRECISION, scale)
 
     @triton.jit
-    def _online_softmax(scores, v, seen, m_i, l_i, acc, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-        # a block of scores [rows, keys] and their values [keys, dims] into the running softmax. The
-        # scores come scaled by log2(e) (SOFTMAX_SCALE): exp2 of the difference is one fused multiply-add
-        # and ex2 a score, where exp costs two multiplies, a subtraction and ex2; the row maxima in ml are
-        # base 2 too, for _attention_combine_kernel
+    def _online_softmax(scores, v, seen, m_i, l_i, acc, MASKED: tl.constexpr, PRECISION: tl.constexpr, scale):
+        # a block of raw scores [rows, keys] and their values [keys, dims] into the running softmax. `scale`
+        # includes log2(e) (SOFTMAX_SCALE) and goes into the exponent's fused multiply-add: exp2(s * scale -
+        # m) is one FMA and ex2 a score, where exp of a scaled score costs two multiplies, a subtraction and
+        # ex2; the row maxima (scaled: the max of raw scores times a positive scale) are base 2 too, for
+        # _attention_combine_kernel
         if MASKED:
             scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1) * scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.exp2(scores - m_safe[:, None])
+        p = tl.exp2(scores * scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -591,7 +592,6 @@ if triton is not None:
         k_sh,
         k_ss,
         v_sh,
-        v_ss,
         map_sb,
         m_sb,
         m_st,
@@ -658,20 +658,22 @@ if triton is not None:
         # each step loads the next step's physical slots, so that its key and value loads wait on no
         # index load of their own
         slot_next = tl.load(slot_map + lo + j0, mask=lo + j0 < hi, other=0)
+        # a key's offset in its head's plane is an int32 (attention checks the caches fit), the same for k
+        # and v: fewer instructions a step than each load's own 64-bit address
         for n0 in range(lo, mid, BLOCK_N):  # keys every query sees: no mask
-            slot = slot_next.to(tl.int64)
+            off = slot_next[:, None] * k_ss + d[None, :]
             slot_next = tl.load(slot_map + n0 + BLOCK_N + j0, mask=n0 + BLOCK_N + j0 < hi, other=0)
-            k = tl.load(kbase + slot[:, None] * k_ss + d[None, :], mask=d[None, :] < D, other=0.0)
-            v = tl.load(vbase + slot[:, None] * v_ss + d[None, :], mask=d[None, :] < D, other=0.0)
+            k = tl.load(kbase + off, mask=d[None, :] < D, other=0.0)
+            v = tl.load(vbase + off, mask=d[None, :] < D, other=0.0)
             m_i, l_i, acc = _attention_step(q, k, v, None, m_i, l_i, acc, scale, False, FP32_DOT, PRECISION)
         for n0 in range(mid, hi, BLOCK_N):
             j = n0 + j0
             live = j < hi
-            slot = slot_next.to(tl.int64)
+            off = slot_next[:, None] * k_ss + d[None, :]
             slot_next = tl.load(slot_map + j + BLOCK_N, mask=j + BLOCK_N < hi, other=0)
             seen = _seen(mask_ptr + b * m_sb, t, j, used, live, m_st, m_ss)
-            k = tl.load(kbase + slot[:, None] * k_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
-            v = tl.load(vbase + slot[:, None] * v_ss + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+            k = tl.load(kbase + off, mask=live[:, None] & (d[None, :] < D), other=0.0)
+            v = tl.load(vbase + off, mask=live[:, None] & (d[None, :] < D), other=0.0)
             m_i, l_i, acc = _attention_step(q, k, v, seen, m_i, l_i, acc, scale, True, FP32_DOT, PRECISION)
         _attention_write(
             acc,
@@ -1803,6 +1805,8 @@ def attention(
     assert heads % kv_heads == 0 and span <= slot_map.shape[1] and slot_map.stride(1) == 1
     mask = mask.expand(bs, 1, T, span)
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    # the kernel addresses a key's k and v by one int32 offset in its head's plane
+    assert k_cache.stride(1) == v_cache.stride(1) and k_cache.shape[1] * k_cache.stride(1) < 2**31
     out = torch.empty(bs, T, heads, hd, dtype=q.dtype, device=q.device)
     if bs * T == 0:
         return out.view(bs, T, heads * hd)
@@ -1844,7 +1848,6 @@ def attention(
         k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0),
-        v_cache.stride(1),
         slot_map.stride(0),
         m8.stride(0),
         m8.stride(2),
