@@ -141,8 +141,8 @@ if triton is not None:
         if FP32_DOT:  # the interpreter computes bf16 dots wrongly
             c, pe = c.to(tl.float32), pe.to(tl.float32)
         scores = tl.dot(q_kv, tl.trans(c), input_precision=PRECISION)
-        scores = scores + tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)
-        return _online_softmax(scores, c, seen, m_i, l_i, acc, MASKED, PRECISION, scale)
+        scores = (scores + tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)) * scale
+        return _online_softmax(scores, c, seen, m_i, l_i, acc, MASKED, PRECISION, 1.0)  # scaled above
 
     @triton.jit
     def _latent_attention_kernel(
